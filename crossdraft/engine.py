@@ -1,0 +1,475 @@
+"""The in-process reference engine: target-only, same-vocabulary SD and TLI speculative decoding.
+
+Two session objects hold one model's state each and know nothing of the other's vocabulary:
+
+* :class:`TargetSession` -- target ids + KV cache; ``verify(drafts, q)`` runs ONE forward over
+  the uncached tail and the drafts and applies the lossless acceptance rule.
+* :class:`DrafterSession` -- drafter ids + KV cache + the allowed-id mask (the intersection);
+  ``draft(k)`` proposes k tokens with their processed distributions; ``commit`` keeps the accepted
+  ones and appends the target's token; ``resync`` replaces the tail after re-tokenisation.
+
+:class:`Engine` owns the loop and the vocabulary mapping (as the gateway will in the services).
+KV caches live across rounds; on rejection they are cropped, never recomputed.
+
+Invariant for both sessions: ``cache_len <= len(ids) - 1``; the next forward feeds
+``ids[cache_len:]`` (at least one token), so the last row of its logits predicts the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import sampling as S
+from .errors import InvalidArgument
+from .sampling import SamplingParams, VerifyOutcome
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """How many tokens the drafter proposes per round."""
+
+    num_draft_tokens: int = 4  # initial k (the block size) per round
+    adaptive: bool = True  # grow k after a fully accepted block, shrink it after an early rejection
+    min_draft_tokens: int = 1  # lower bound for adaptive k
+    max_draft_tokens: int = 10  # upper bound for adaptive k
+    resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
+
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidArgument("num_draft_tokens", f"must be an integer >= 1, got {k!r}")
+        if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
+            raise InvalidArgument("max_draft_tokens", "need 1 <= min_draft_tokens <= max_draft_tokens")
+        if k > 64:
+            raise InvalidArgument("num_draft_tokens", f"must be <= 64, got {k}")
+        if self.resync_window < 1:
+            raise InvalidArgument("resync_window", "must be >= 1")
+
+    def next_k(self, k: int, num_accepted: int) -> int:
+        """Adaptive block size: +2 after a fully accepted block, -1 after an early rejection."""
+        if not self.adaptive:
+            return k
+        hi = max(self.max_draft_tokens, self.num_draft_tokens)
+        if num_accepted >= k:
+            return min(hi, k + 2)
+        if num_accepted < k - 1:
+            return max(self.min_draft_tokens, k - 1)
+        return k
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache helpers (transformers DynamicCache, crop takes "how many to remove" as a negative int).
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if hasattr(cache, "activate_past_recording"):
+        # sliding-window layers (Gemma-3) keep full states until crop(), so rollback is possible
+        cache.activate_past_recording()
+    return cache
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def crop_cache(cache, new_len: int) -> None:
+    cur = cache_length(cache)
+    if new_len > cur:
+        raise ValueError(f"cannot crop a cache of {cur} tokens to {new_len}")
+    cache.crop(new_len - cur)  # crop(0) also trims sliding-window layers back to their window
+
+
+class _ModelSession:
+    """ids + KV cache of one causal LM; feeds the uncached tail plus extra tokens."""
+
+    def __init__(self, model, ids: list[int], device: torch.device):
+        if not ids:
+            raise InvalidArgument("prompt", "is empty after tokenisation")
+        self.model = model
+        self.device = device
+        self.ids: list[int] = list(ids)
+        self.cache = new_cache(model)
+
+    @property
+    def cache_len(self) -> int:
+        return cache_length(self.cache)
+
+    @torch.inference_mode()
+    def forward(self, extra: list[int], keep: int) -> torch.Tensor:
+        """Feed ids[cache_len:] + extra; return the last `keep` rows of logits [keep, V]."""
+        start = self.cache_len
+        feed = self.ids[start:] + list(extra)
+        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=inp,
+            position_ids=pos,
+            cache_position=pos[0],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0, -keep:, :]
+
+    def truncate_cache(self, valid: int) -> None:
+        crop_cache(self.cache, min(valid, self.cache_len, len(self.ids) - 1))
+
+
+@dataclass
+class VerifyResult:
+    """What one verification round produced, in target ids."""
+
+    outcome: VerifyOutcome
+    emitted: list[int]  # accepted drafts + the target's own token
+    forward_s: float
+
+
+class TargetSession(_ModelSession):
+    """The target side of a round: one forward pass per block, lossless acceptance."""
+
+    def __init__(self, model, ids: list[int], device, params: SamplingParams, seed: int):
+        super().__init__(model, ids, device)
+        self.params = params
+        self.seed = seed
+
+    def verify(self, drafts: list[int], q: torch.Tensor | None, round_index: int) -> VerifyResult:
+        """drafts: [k] target ids; q: [k, V_target] drafter probabilities (None if greedy or k=0)."""
+        t0 = time.perf_counter()
+        k = len(drafts)
+        base = len(self.ids)
+        logits = self.forward(drafts, keep=k + 1)  # [k+1, V]
+        vocab = logits.shape[-1]
+        presence = None
+        if self.params.repetition_penalty != 1.0:
+            ctx = torch.tensor(self.ids, dtype=torch.long, device=logits.device)
+            ext = torch.tensor(drafts, dtype=torch.long, device=logits.device) if k else None
+            presence = S.presence_rows(ctx, ext, vocab, k + 1)
+        processed = S.process_logits(logits, self.params, presence)
+        if self.params.greedy:
+            outcome = S.verify_greedy(torch.argmax(processed, dim=-1).tolist(), drafts)
+        else:
+            p = S.probabilities(processed).double().cpu()
+            qd = q.double().cpu() if k else torch.zeros(0, vocab, dtype=torch.float64)
+            outcome = S.verify_sampling(p, qd, drafts, self.seed, round_index)
+        emitted = list(drafts[: outcome.num_accepted]) + [outcome.next_token]
+        self.ids.extend(emitted)
+        # cache now holds base-1 + ... + all k drafts; keep the accepted prefix only
+        self.truncate_cache(base + outcome.num_accepted)
+        return VerifyResult(outcome, emitted, time.perf_counter() - t0)
+
+
+@dataclass
+class DraftBlock:
+    """k proposals of the drafter, in drafter ids, with their processed distributions."""
+
+    ids: list[int]
+    probs: torch.Tensor | None  # [k, V_drafter] float32 (None when greedy)
+    forward_s: float
+
+
+class DrafterSession(_ModelSession):
+    """The drafter side: proposes only ids whose mask entry is True (the intersection)."""
+
+    def __init__(self, model, ids: list[int], device, params: SamplingParams, seed: int, allowed: torch.Tensor):
+        super().__init__(model, ids, device)
+        self.params = params
+        self.seed = seed
+        self.allowed = allowed.to(device)  # bool [V_drafter_logits]
+        self._blocked = ~self.allowed
+
+    def draft(self, k: int, round_index: int) -> DraftBlock:
+        t0 = time.perf_counter()
+        ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        presence = None
+        for i in range(k):
+            logits = self.forward([], keep=1)[0]  # [V]; feeds the uncached tail (the last proposal)
+            logits = logits.float().masked_fill(self._blocked[: logits.shape[-1]], float("-inf"))
+            if self.params.repetition_penalty != 1.0:
+                if presence is None:
+                    presence = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                    presence[torch.tensor(self.ids, device=logits.device)] = True
+                presence[ids[-1:]] = True
+            processed = S.process_logits(logits.unsqueeze(0), self.params, None if presence is None else presence.unsqueeze(0))[0]
+            if self.params.greedy:
+                tok = int(torch.argmax(processed))
+            else:
+                pr = torch.softmax(processed, dim=-1)
+                rows.append(pr)
+                tok = S.sample_from(pr, S.uniform(self.seed, round_index, i, S.STREAM_DRAFT))
+            ids.append(tok)
+            # the fed token becomes part of the cache; keep ids consistent for the next forward
+            self.ids.append(tok)
+        # un-append the drafts: they are only proposals until commit()
+        del self.ids[len(self.ids) - k :]
+        probs = torch.stack(rows) if rows else None
+        return DraftBlock(ids, probs, time.perf_counter() - t0)
+
+    def commit(self, accepted: list[int], appended: list[int]) -> None:
+        """Keep `accepted` proposals (drafter ids) and append `appended`; crop the cache."""
+        base = len(self.ids)
+        self.ids.extend(accepted)
+        self.ids.extend(appended)
+        self.truncate_cache(base + len(accepted))
+
+    def replace_tail(self, keep: int, new_tail: list[int]) -> None:
+        """ids = ids[:keep] + new_tail; crop the cache to the common prefix."""
+        new = self.ids[:keep] + list(new_tail)
+        lcp = 0
+        for a, b in zip(self.ids, new):
+            if a != b:
+                break
+            lcp += 1
+        self.ids = new
+        self.truncate_cache(lcp)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop.
+
+
+@dataclass
+class Stats:
+    """Per-call statistics, JSON-friendly."""
+
+    mode: str = "target-only"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    resyncs: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = "length"
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        d["acceptance_by_position"] = [
+            a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.drafted_by_position)
+        ]
+        d["mean_accepted_per_round"] = self.accepted / self.rounds if self.rounds else 0.0
+        d["tokens_per_round"] = self.new_tokens / self.rounds if self.rounds else 0.0
+        gen_s = self.total_s - self.prefill_s
+        d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+        d["decode_tokens_per_s"] = self.new_tokens / gen_s if gen_s > 0 else 0.0
+        del d["draft_lengths"]
+        d["mean_draft_length"] = float(np.mean(self.draft_lengths)) if self.draft_lengths else 0.0
+        return d
+
+    def record_round(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        if k:
+            self.draft_lengths.append(k)
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            self.drafted_by_position[i] += 1
+            if i < n:
+                self.accepted_by_position[i] += 1
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # target ids of the new tokens (EOS included when it ended the output)
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(name, f"must be an integer, got {type(value).__name__}")
+    if value <= 0:
+        raise InvalidArgument(name, f"must be > 0, got {value}")
+    return value
+
+
+class Engine:
+    """Speculative decoding with a target and an optional drafter, in one process.
+
+    target / drafter: :class:`crossdraft.models.LoadedModel`-like objects with ``model``,
+    ``tokenizer``, ``device``, ``eos_token_ids`` and ``vocab_size``.
+    """
+
+    def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None):
+        from . import vocab as V
+
+        self.target = target
+        self.drafter = drafter
+        self.mapping = None
+        self.t_bytes = [b if b is not None else b"" for b in V.token_bytes(target.tokenizer)]
+        if drafter is not None:
+            self.mapping = mapping or V.build_mapping(target.tokenizer, drafter.tokenizer, cache_dir=vocab_cache_dir)
+            vt, vd = int(target.vocab_size), int(drafter.vocab_size)
+            d2t = np.full(vd, -1, dtype=np.int64)
+            n = min(vd, len(self.mapping.d2t))
+            d2t[:n] = self.mapping.d2t[:n]
+            d2t[d2t >= vt] = -1
+            t2d = np.full(vt, -1, dtype=np.int64)
+            n = min(vt, len(self.mapping.t2d))
+            t2d[:n] = self.mapping.t2d[:n]
+            t2d[t2d >= vd] = -1
+            self.d2t = d2t
+            self.t2d = t2d
+            self.allowed = torch.from_numpy(d2t >= 0)
+            self._src = torch.from_numpy(np.nonzero(d2t >= 0)[0])  # drafter ids in the intersection
+            self._dst = torch.from_numpy(d2t[d2t >= 0])  # their target ids
+            self.d_bytes = [b if b is not None else b"" for b in V.token_bytes(drafter.tokenizer)]
+            if not bool(self.allowed.any()):
+                raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _encode(self, tok, text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=True)["input_ids"])
+
+    def _q_target(self, probs_d: torch.Tensor) -> torch.Tensor:
+        """Map drafter probabilities [k, V_d] to target ids [k, V_t] (adding many-to-one)."""
+        k = probs_d.shape[0]
+        q = torch.zeros(k, int(self.target.vocab_size), dtype=torch.float64)
+        q.index_add_(1, self._dst, probs_d[:, self._src].double().cpu())
+        return q
+
+    def _resync(self, dsess: DrafterSession, d_prompt_len: int, d_gen_lens: list[int], gen_bytes: bytes, window: int) -> None:
+        """Re-tokenise the drafter's last `window` generated tokens plus the new target text."""
+        n_gen = len(dsess.ids) - d_prompt_len
+        drop = min(window, n_gen)
+        while True:
+            keep = n_gen - drop
+            offset = sum(d_gen_lens[:keep])
+            tail = gen_bytes[offset:]
+            try:
+                text = tail.decode("utf-8")
+                break
+            except UnicodeDecodeError as e:
+                if e.start == 0 and drop < n_gen:  # window starts inside a character: look further back
+                    drop += 1
+                    continue
+                text = tail.decode("utf-8", errors="ignore")  # incomplete char at the end: quality only
+                break
+        new_tail = list(self.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        dsess.replace_tail(d_prompt_len + keep, new_tail)
+        del d_gen_lens[keep:]
+        d_gen_lens.extend(len(self.d_bytes[t]) if t < len(self.d_bytes) else 0 for t in new_tail)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        max_new_tokens: int = 64,
+        params: SamplingParams | None = None,
+        seed: int = 0,
+        draft: DraftConfig | None = None,
+        use_drafter: bool = True,
+    ) -> GenerationResult:
+        params = params or SamplingParams()
+        draft = draft or DraftConfig()
+        _check_positive_int("max_new_tokens", max_new_tokens)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidArgument("seed", "must be an integer")
+        if prompt_ids is None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidArgument("prompt", "must be a non-empty string")
+            prompt_ids = self._encode(self.target.tokenizer, prompt)
+        if not prompt_ids:
+            raise InvalidArgument("prompt", "must not be empty")
+        limit = getattr(self.target.model.config, "max_position_embeddings", None)
+        if limit and len(prompt_ids) + max_new_tokens > limit:
+            raise InvalidArgument(
+                "max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the context ({limit})"
+            )
+
+        t_start = time.perf_counter()
+        stats = Stats(prompt_tokens=len(prompt_ids))
+        eos = set(self.target.eos_token_ids)
+        tsess = TargetSession(self.target.model, prompt_ids, self.target.device, params, seed)
+        spec = use_drafter and self.drafter is not None
+        dsess = None
+        if spec:
+            stats.mode = "speculative"
+            if prompt is None:
+                prompt = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+            d_ids = self._encode(self.drafter.tokenizer, prompt)
+            dsess = DrafterSession(self.drafter.model, d_ids, self.drafter.device, params, seed, self.allowed)
+            d_prompt_len = len(d_ids)
+            d_gen_lens: list[int] = []
+        gen: list[int] = []
+        gen_bytes = bytearray()
+        k = draft.num_draft_tokens
+        round_index = 0
+        while len(gen) < max_new_tokens:
+            remaining = max_new_tokens - len(gen)
+            kk = min(k, remaining - 1) if spec else 0
+            t_round = time.perf_counter()
+            block = None
+            drafts_t: list[int] = []
+            q = None
+            if kk > 0:
+                block = dsess.draft(kk, round_index)
+                drafts_t = [int(self.d2t[d]) for d in block.ids]
+                if block.probs is not None:
+                    q = self._q_target(block.probs)
+                stats.draft_s += block.forward_s
+            first = round_index == 0
+            res = tsess.verify(drafts_t, q, round_index)
+            if first:
+                stats.prefill_s += res.forward_s
+            else:
+                stats.verify_s += res.forward_s
+            n = res.outcome.num_accepted
+            stats.record_round(kk, n)
+            emitted = res.emitted
+            # stop at EOS / the token budget
+            for j, tok in enumerate(emitted):
+                if tok in eos:
+                    emitted = emitted[: j + 1]
+                    stats.finish_reason = "stop"
+                    break
+            gen.extend(emitted)
+            for tok in emitted:
+                if tok < len(self.t_bytes):
+                    gen_bytes += self.t_bytes[tok]
+            if stats.finish_reason == "stop" or len(gen) >= max_new_tokens:
+                stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
+                break
+            if spec:
+                accepted_d = block.ids[:n] if block else []
+                nxt = res.outcome.next_token
+                d_nxt = int(self.t2d[nxt]) if nxt < len(self.t2d) else -1
+                if d_nxt >= 0:
+                    dsess.commit(accepted_d, [d_nxt])
+                    d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d + [d_nxt])
+                else:
+                    dsess.commit(accepted_d, [])
+                    d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d)
+                    self._resync(dsess, d_prompt_len, d_gen_lens, bytes(gen_bytes), draft.resync_window)
+                    stats.resyncs += 1
+                if kk == k:
+                    k = draft.next_k(k, n)
+            round_index += 1
+            stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
+        stats.new_tokens = len(gen)
+        stats.total_s = time.perf_counter() - t_start
+        text = self.target.tokenizer.decode(gen, skip_special_tokens=True)
+        return GenerationResult(text, gen, stats)
