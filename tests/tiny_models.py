@@ -1,0 +1,56 @@
+"""Tiny random-init causal LMs for fast engine tests (real transformers models, fake weights).
+
+The lm_head is scaled up so that next-token distributions are peaked like a trained model's
+(a freshly initialised head gives near-uniform distributions, which would make every check
+trivially pass or need millions of samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TinyLM:
+    """Same attributes the engine reads from crossdraft.models.LoadedModel."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: frozenset
+    vocab_size: int
+
+
+def tiny_lm(tokenizer, *, seed: int, hidden: int = 32, layers: int = 2, head_scale: float = 6.0,
+            arch: str = "llama", extra_vocab: int = 0, with_eos: bool = True) -> TinyLM:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    vocab = len(tokenizer) + extra_vocab  # extra_vocab mimics models whose head is wider than the tokenizer
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+        if extra_vocab:
+            model.lm_head.weight[len(tokenizer):] = -5.0  # ids beyond the tokenizer are (almost) never chosen
+    model.eval()
+    eos = set()
+    if with_eos and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return TinyLM(model, tokenizer, f"tiny-{arch}-{seed}", torch.device("cpu"), torch.float32, frozenset(eos), vocab)

@@ -1,0 +1,262 @@
+"""The whole engine with tiny random-init models and two different small tokenizers.
+
+Real transformers models and real tokenizers; only the weights are random (so the tests run in
+seconds on a CPU). The drafter's vocabulary (SentencePiece-like with byte fallback) differs from
+the target's (byte-level BPE), so these runs exercise TLI: masking to the intersection, mapping
+q into target ids, rejection into tokens outside the intersection and drafter re-sync.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sst
+
+from crossdraft import sampling as S
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.errors import InvalidArgument
+from crossdraft.sampling import SamplingParams
+from tests.tiny_models import tiny_lm
+from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "The quick brown fox",
+    "for i in range(10):\n",
+    "import numpy as np\n\nclass Model:\n    def __init__(self):",
+]
+
+
+@pytest.fixture(scope="module")
+def tok_t():
+    return bytelevel_bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tok_d():
+    return sentencepiece_like_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tok_t):
+    # head wider than the tokenizer, like Qwen's 151,936-wide head over 151,665 tokens
+    return tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7)
+
+
+@pytest.fixture(scope="module")
+def drafter(tok_d):
+    return tiny_lm(tok_d, seed=2)
+
+
+@pytest.fixture(scope="module")
+def tli(target, drafter, tmp_path_factory):
+    return Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+
+
+@pytest.fixture(scope="module")
+def same_vocab(target, tok_t, tmp_path_factory):
+    return Engine(target, tiny_lm(tok_t, seed=3), vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+
+
+def test_tli_mapping_is_partial(tli):
+    st = tli.mapping.stats()
+    assert 0 < st["intersection_size"] < min(st["drafter_vocab_size"], st["target_vocab_size"])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k, adaptive", [(1, False), (3, True), (6, False)])
+def test_greedy_tli_is_token_identical(tli, prompt, k, adaptive):
+    ref = tli.generate(prompt, max_new_tokens=40, use_drafter=False)
+    out = tli.generate(prompt, max_new_tokens=40, draft=DraftConfig(num_draft_tokens=k, adaptive=adaptive))
+    assert out.token_ids == ref.token_ids
+    assert out.text == ref.text
+    assert out.stats.mode == "speculative" and out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_same_vocab_and_penalty_identical(same_vocab, prompt):
+    params = SamplingParams(repetition_penalty=1.3)
+    ref = same_vocab.generate(prompt, max_new_tokens=32, params=params, use_drafter=False)
+    out = same_vocab.generate(prompt, max_new_tokens=32, params=params, draft=DraftConfig(num_draft_tokens=4))
+    assert out.token_ids == ref.token_ids
+
+
+def test_greedy_run_hits_tokens_outside_intersection_and_resyncs(tli):
+    outside = 0
+    resyncs = 0
+    for prompt in PROMPTS:
+        ref = tli.generate(prompt, max_new_tokens=40, use_drafter=False)
+        out = tli.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == ref.token_ids
+        outside += sum(1 for t in ref.token_ids if t >= len(tli.t2d) or tli.t2d[t] < 0)
+        resyncs += out.stats.resyncs
+    # the random target does emit tokens the drafter cannot propose; each one forces a re-sync
+    assert outside > 0 and resyncs > 0
+
+
+def test_kv_cache_is_reused_not_recomputed(tli, monkeypatch):
+    fed = []
+    model = tli.target.model
+    orig = model.forward
+
+    def spy(*args, **kwargs):
+        fed.append(kwargs["input_ids"].shape[1])
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    out = tli.generate(PROMPTS[3], max_new_tokens=30, draft=DraftConfig(num_draft_tokens=3, adaptive=False))
+    prompt_len = out.stats.prompt_tokens
+    # round 0 feeds the prompt + k drafts; every later round feeds exactly 1 pending token + its drafts
+    ks = out.stats.draft_lengths
+    assert len(fed) == out.stats.rounds
+    assert fed[0] == prompt_len + (ks[0] if ks else 0)
+    assert sum(fed) == prompt_len + out.stats.drafted + out.stats.rounds - 1
+
+
+def test_stats_are_consistent(tli):
+    out = tli.generate(PROMPTS[0], max_new_tokens=25, params=SamplingParams(temperature=0.8), seed=5)
+    s = out.stats.to_dict()
+    assert s["new_tokens"] == len(out.token_ids) <= 25
+    assert 0 <= s["accepted"] <= s["drafted"]
+    assert sum(s["accepted_by_position"]) == s["accepted"] and sum(s["drafted_by_position"]) == s["drafted"]
+    assert s["rounds"] >= 1 and s["total_s"] >= s["draft_s"] + s["verify_s"]
+    assert 0.0 <= s["acceptance_rate"] <= 1.0
+
+
+def test_sampling_is_seeded(tli):
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    a = tli.generate(PROMPTS[1], max_new_tokens=20, params=p, seed=11)
+    b = tli.generate(PROMPTS[1], max_new_tokens=20, params=p, seed=11)
+    c = tli.generate(PROMPTS[1], max_new_tokens=20, params=p, seed=12)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -3}, "max_new_tokens"),
+        ({"prompt": ""}, "prompt"),
+        ({"max_new_tokens": 10_000}, "max_new_tokens"),
+    ],
+)
+def test_bad_generate_arguments(tli, kwargs, field):
+    args = {"prompt": "hello", "max_new_tokens": 5} | kwargs
+    with pytest.raises(InvalidArgument) as e:
+        tli.generate(args.pop("prompt"), **args)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_bad_num_draft_tokens(k):
+    with pytest.raises(InvalidArgument) as e:
+        DraftConfig(num_draft_tokens=k)
+    assert e.value.field == "num_draft_tokens"
+
+
+# ---- the distribution of sampled output equals target-only sampling --------------------------
+
+N_RUNS = 20_000
+
+
+def _exact_two_token_distribution(engine, prompt_ids, params):
+    """Target-only sampling's exact joint distribution of the first two tokens, {(t1, t2): prob}."""
+    model = engine.target.model
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1:]
+        vocab = logits.shape[-1]
+        pres = S.presence_rows(torch.tensor(prompt_ids), None, vocab, 1)
+        p1 = S.probabilities(S.process_logits(logits, params, pres))[0].double()
+        firsts = torch.nonzero(p1 > 0).flatten().tolist()
+        batch = torch.tensor([prompt_ids + [t] for t in firsts])
+        logits2 = model(input_ids=batch).logits[:, -1]
+        pres2 = torch.stack([S.presence_rows(torch.tensor(prompt_ids + [t]), None, vocab, 1)[0] for t in firsts])
+        p2 = S.probabilities(S.process_logits(logits2, params, pres2)).double()
+    joint = {}
+    for i, t1 in enumerate(firsts):
+        for t2 in torch.nonzero(p2[i] > 0).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[i, t2])
+    return joint
+
+
+def _chi_square(counts: dict, expected_p: dict, n: int):
+    """Pearson chi-square over cells with expected count >= 5, the rest pooled into one cell."""
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for cell, p in expected_p.items():
+        if p * n >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(p * n)
+        else:
+            pool_o += counts.get(cell, 0)
+            pool_e += p * n
+    unexpected = sum(c for cell, c in counts.items() if cell not in expected_p)
+    assert unexpected == 0, "sampled a pair that target-only sampling can never produce"
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs, exp = np.array(obs, dtype=float), np.array(exp)
+    exp *= obs.sum() / exp.sum()
+    return sst.chisquare(obs, exp), len(obs)
+
+
+def _sample_counts(engine, prompt, params, n, *, use_drafter=True, k=3):
+    counts: dict = {}
+    for seed in range(n):
+        out = engine.generate(prompt, max_new_tokens=2, params=params, seed=seed,
+                              draft=DraftConfig(num_draft_tokens=k, adaptive=False), use_drafter=use_drafter)
+        key = tuple(out.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def tli_no_eos(target, drafter, tmp_path_factory):
+    # no EOS so that every run yields exactly two tokens
+    import dataclasses
+
+    t = dataclasses.replace(target, eos_token_ids=frozenset())
+    return Engine(t, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3),
+    ],
+    ids=["temperature", "topk-topp-penalty"],
+)
+def test_tli_sampling_matches_target_only_distribution(tli_no_eos, params):
+    prompt = "def add(a, b):\n"
+    prompt_ids = list(tli_no_eos.target.tokenizer(prompt)["input_ids"])
+    expected = _exact_two_token_distribution(tli_no_eos, prompt_ids, params)
+    counts = _sample_counts(tli_no_eos, prompt, params, N_RUNS)
+    (chi2, pvalue), cells = _chi_square(counts, expected, N_RUNS)
+    assert cells >= 10, "distribution too concentrated to test anything"
+    assert pvalue > 1e-3, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
+    # the drafter's proposals were really used (not a target-only run in disguise)
+    probe = tli_no_eos.generate(prompt, max_new_tokens=2, params=params, seed=0)
+    assert probe.stats.drafted > 0
+
+
+def test_chi_square_detects_a_lossy_sampler(tli_no_eos, monkeypatch):
+    """Negative control: accept every draft (the HF 5.24 failure mode) and the check must fail."""
+    params = SamplingParams(temperature=1.0)
+    prompt = "def add(a, b):\n"
+    prompt_ids = list(tli_no_eos.target.tokenizer(prompt)["input_ids"])
+    expected = _exact_two_token_distribution(tli_no_eos, prompt_ids, params)
+
+    def accept_all(p, q, drafts, seed, round_index):
+        k = len(drafts)
+        return S.VerifyOutcome(k, S.sample_from(p[k], S.uniform(seed, round_index, k, S.STREAM_EMIT)), [True] * k)
+
+    monkeypatch.setattr(S, "verify_sampling", accept_all)
+    counts = _sample_counts(tli_no_eos, prompt, params, 3000)
+    try:
+        (_, pvalue), _ = _chi_square(counts, expected, 3000)
+    except AssertionError:
+        return  # produced pairs target-only sampling never would: detected
+    assert pvalue < 1e-6
