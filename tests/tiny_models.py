@@ -48,7 +48,7 @@ def tiny_lm(tokenizer, *, seed: int, hidden: int = 32, layers: int = 2, head_sca
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
         if extra_vocab:
-            model.lm_head.weight[len(tokenizer):] = -5.0  # ids beyond the tokenizer are (almost) never chosen
+            model.lm_head.weight[len(tokenizer):] *= 0.2  # ids beyond the tokenizer: rare, distinct (no exact ties)
     model.eval()
     eos = set()
     if with_eos and tokenizer.eos_token_id is not None:

@@ -438,3 +438,31 @@ def test_build_mapping_is_fast_enough_for_reuse(cache_dir):
         V.build_mapping(BL(), SP(), cache_dir=cache_dir)
     assert (time.perf_counter() - t0) / 20 < 0.05
     assert os.path.isdir(cache_dir)
+
+
+def test_slow_sentencepiece_tokenizer(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    from transformers.models.bert_generation import BertGenerationTokenizer
+
+    buf = io.BytesIO()
+    lines = [line for line in CORPUS.split("\n") if line.strip()] * 3
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=0.98, num_threads=1, minloglevel=2, control_symbols=["<ctrl>"],
+    )
+    (tmp_path / "sp.model").write_bytes(buf.getvalue())
+    tok = BertGenerationTokenizer(vocab_file=str(tmp_path / "sp.model"))
+    table = V._table(tok)
+    assert table.method == "sentencepiece"
+    tb = table.bytes
+    assert tb[_id(tok, "▁the")] == b" the"
+    assert tb[tok.convert_tokens_to_ids("<ctrl>")] is None and tb[tok.unk_token_id] is None
+    # transformers' Python decode prints byte-fallback pieces literally ("<0x0A>"), so they are
+    # excluded rather than claimed to be a byte the decoder does not produce
+    assert tb[_id(tok, "<0x0A>")] in (None, b"\n")
+    m = V.build_mapping(BL(), tok, cache_dir=tmp_path / "vocab")
+    pairs = [(int(d), int(m.d2t[d])) for d in np.flatnonzero(m.d2t >= 0)]
+    assert len(pairs) > 50
+    assert in_context_mismatches(tok, BL(), pairs) == []
