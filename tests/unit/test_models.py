@@ -391,8 +391,14 @@ def test_max_memory_needs_device_map():
     assert info.value.field == "max_memory"
 
 
-def test_default_dtypes_constant():
-    assert models.DEFAULT_DTYPES == {"target": torch.float32, "drafter": torch.bfloat16}
+def test_default_dtypes_follow_the_machine(monkeypatch):
+    assert set(models.DEFAULT_DTYPES) == {"target", "drafter"}
+    assert models.DEFAULT_DTYPES["target"] == models.fast_dtype()
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert models.fast_dtype("cpu") == torch.float32  # no native bf16: fp32 verifies faster
+    assert models.fast_dtype("cuda") == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.fast_dtype("cpu") == torch.bfloat16
 
 
 def test_parse_device():
