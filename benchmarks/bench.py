@@ -21,6 +21,7 @@ Usage: python benchmarks/bench.py [--target T] [--drafters a,b,c] [--prompts 8] 
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import io
 import json
@@ -105,7 +106,10 @@ def hf_generate(target, drafter, prompt_ids, max_new, params: SamplingParams, se
     else:
         kw.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
     if drafter is not None:
-        kw["assistant_model"] = drafter.model
+        # transformers mutates the assistant in place (its TLI sampler prunes the assistant's LM
+        # head; the heuristic schedule rewrites its generation_config), so every call gets a
+        # fresh copy and our own engine keeps the untouched model. Copying is not timed.
+        kw["assistant_model"] = copy.deepcopy(drafter.model)
         if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             kw.update(tokenizer=target.tokenizer, assistant_tokenizer=drafter.tokenizer)
     torch.manual_seed(seed)
@@ -148,6 +152,7 @@ def main() -> None:
     ap.add_argument("--target-dtype", default=None)
     ap.add_argument("--drafter-dtype", default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
+    ap.add_argument("--hf-target-only", action="store_true", help="also time HF generate() without a drafter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="bench")
     a = ap.parse_args()
@@ -155,10 +160,10 @@ def main() -> None:
     _install_hf_counters()
     prompts = humaneval_prompts(a.prompts)
     t0 = time.perf_counter()
-    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.DEFAULT_DTYPES["target"])
+    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device))
     drafters = {}
     for name in [d for d in a.drafters.split(",") if d]:
-        drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.DEFAULT_DTYPES["drafter"])
+        drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device))
     engines = {name: Engine(target, d) for name, d in drafters.items()}
     base_engine = Engine(target)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -183,7 +188,7 @@ def main() -> None:
             seed = 1000 + pi
             res = base_engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed)
             rec(mode, "target-only", None, pi, res.token_ids, res.stats.total_s, {})
-            if not a.no_hf:
+            if a.hf_target_only and not a.no_hf:
                 gen, secs, _ = hf_generate(target, None, prompt_ids, a.max_new_tokens, params, seed)
                 rec(mode, "hf target-only", None, pi, gen, secs, {})
             for name, d in drafters.items():

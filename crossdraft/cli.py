@@ -48,8 +48,10 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
     p.add_argument("--seed", type=_positive_int_arg("--seed"), default=0)
     p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4, help="initial block size k")
-    p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of adapting it")
-    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10)
+    p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of choosing it per round")
+    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10, help="upper bound for adaptive k")
+    p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
+                   help="end a block early when the drafter's probability of its token is below this (0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +98,7 @@ def _sampling_from_args(a):
         num_draft_tokens=a.num_draft_tokens,
         adaptive=not a.no_adaptive,
         max_draft_tokens=max(a.max_draft_tokens, a.num_draft_tokens),
+        stop_below=a.stop_below,
     )
     return params, draft
 
@@ -111,10 +114,10 @@ def cmd_generate(a) -> int:
     M.resolve_model(a.target)
     if a.drafter:
         M.resolve_model(a.drafter)
-    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.DEFAULT_DTYPES["target"])
+    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device))
     drafter = None
     if a.drafter:
-        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.DEFAULT_DTYPES["drafter"])
+        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device))
     engine = Engine(target, drafter)
     prompt = a.prompt
     if a.chat:

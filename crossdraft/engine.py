@@ -36,7 +36,7 @@ class DraftConfig:
     adaptive: bool = True  # choose k per round from measured acceptance and costs (else fixed k)
     min_draft_tokens: int = 1  # lower bound for adaptive k
     max_draft_tokens: int = 10  # upper bound for adaptive k
-    stop_below: float = 0.0  # stop a block early once the drafter's own probability of its token is below this
+    stop_below: float = 0.3  # stop a block early once the drafter's own probability of its token is below this
     allow_skip: bool = True  # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
     resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
 
@@ -149,6 +149,8 @@ def cache_length(cache) -> int:
 
 def crop_cache(cache, new_len: int) -> None:
     cur = cache_length(cache)
+    if cur == 0:
+        return  # nothing cached yet (and uninitialised sliding-window layers cannot crop)
     if new_len > cur:
         raise ValueError(f"cannot crop a cache of {cur} tokens to {new_len}")
     cache.crop(new_len - cur)  # crop(0) also trims sliding-window layers back to their window
