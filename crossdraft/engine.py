@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import sampling as S
+from . import vocab as V
 from .errors import InvalidArgument
 from .sampling import SamplingParams, VerifyOutcome
 
@@ -39,8 +40,11 @@ class DraftConfig:
     stop_below: float = 0.3  # stop a block early once the drafter's own probability of its token is below this
     allow_skip: bool = True  # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
     resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
+    mode: str = "auto"  # "tli" | "text" (greedy only: drafts text, re-encoded into target tokens) | "auto"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "tli", "text"):
+            raise InvalidArgument("mode", f"must be one of auto, tli, text; got {self.mode!r}")
         k = self.num_draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidArgument("num_draft_tokens", f"must be an integer >= 1, got {k!r}")
@@ -58,75 +62,89 @@ class DraftPolicy:
     """Chooses the block size k of the next round (adaptive draft length).
 
     Model: drafts are accepted independently with probability alpha, so a block of k yields
-    E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs k * t_draft + t_verify(k), with
-    t_verify(k) = a + b k. alpha, t_draft, a and b are estimated online with exponential
-    forgetting; k maximises E(k) / cost(k) within [min, max]. If even the best k is slower than
-    target-only decoding (1 token per t_verify(0)) the round drafts nothing, and every
-    `probe_every` such rounds a short block re-measures the drafter. This bounds the loss of a
-    poor drafter to the probes, and grows k quickly for a good one.
+    E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs k * c + 1 + s * k target-forward
+    units, where c is the drafter's cost per token relative to one target forward and s the extra
+    cost of one more verified position. alpha is estimated online (exponential forgetting) from
+    acceptance counts; k maximises E(k) / cost(k) within [min, max]. If even the best k yields
+    less than one token per target forward, the round drafts nothing, and every `probe_every`
+    such rounds a short block re-measures alpha -- a poor drafter costs only its probes.
+
+    Every input is a function of the generated tokens and fixed costs -- never of wall-clock
+    time -- so a seeded sampling run picks the same k sequence, hence the same random draws and
+    the same text, every time (and after a failover).
     """
 
     decay = 0.85
     probe_every = 6
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, cost_ratio: float = 0.2, verify_slope: float = 0.03):
         self.cfg = cfg
+        self.c = max(1e-3, float(cost_ratio))
+        self.slope = max(0.0, float(verify_slope))
         self.k = cfg.num_draft_tokens
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
-        self.t_draft: float | None = None
-        self.sums = [0.0] * 5  # decayed S0, Sk, Skk, St, Skt of (k, verify seconds)
         self.skipped = 0
 
     def alpha(self) -> float:
         return min(0.98, max(0.02, self.succ / self.trials))
 
-    def t_verify(self, k: float) -> float:
-        s0, sk, skk, st, skt = self.sums
-        if s0 <= 0:
-            return 0.0
-        den = s0 * skk - sk * sk
-        mean_t = st / s0
-        slope = (s0 * skt - sk * st) / den if den > 1e-9 * max(1.0, s0 * skk) else 0.02 * mean_t
-        slope = min(max(slope, 0.0), mean_t)
-        return max(1e-6, (st - slope * sk) / s0 + slope * k)
-
-    def observe(self, k: int, n: int, draft_s: float, verify_s: float) -> None:
-        d = self.decay
+    def observe(self, k: int, n: int) -> None:
         if k > 0:
+            d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
-            per = draft_s / k
-            self.t_draft = per if self.t_draft is None else d * self.t_draft + (1 - d) * per
-        self.sums = [d * x for x in self.sums]
-        for i, v in enumerate((1.0, k, k * k, verify_s, k * verify_s)):
-            self.sums[i] += v
 
     def rate(self, k: int) -> float:
+        """Expected tokens per target-forward unit with a block of k (k = 0: target-only = 1)."""
         a = self.alpha()
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        return expected / (k * (self.t_draft or 0.0) + self.t_verify(k))
+        return ((1 - a ** (k + 1)) / (1 - a)) / (1 + k * (self.c + self.slope))
 
-    def next_k(self, last_k: int, n: int) -> int:
+    def next_k(self) -> int:
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.num_draft_tokens
-        if self.t_draft is None or self.sums[0] <= 0:
-            # nothing measured yet: step rule (+2 after a full block, -1 after an early reject)
-            if last_k and n >= last_k:
-                self.k = min(self.hi, last_k + 2)
-            elif last_k and n < last_k - 1:
-                self.k = max(cfg.min_draft_tokens, last_k - 1)
-            return self.k
         best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
-        if cfg.allow_skip and self.rate(best) < 1.0 / self.t_verify(0):
+        if cfg.allow_skip and self.rate(best) < 1.0:
             self.skipped += 1
-            if self.skipped % self.probe_every:
-                return 0
-            return cfg.min_draft_tokens
+            return cfg.min_draft_tokens if self.skipped % self.probe_every == 0 else 0
         self.skipped = 0
         self.k = best
         return best
+
+
+def estimate_cost_ratio(drafter_model, target_model, drafter_head_rows: int | None = None) -> float:
+    """Drafter cost per token relative to one target forward, from weight sizes.
+
+    One-token decoding is memory-bound: its time follows the bytes of weights read (embedding
+    lookups excluded, the LM head included -- only the pruned rows for the drafter), plus a fixed
+    per-forward overhead worth ~60M parameters on CPU (kernel launches, Python). Measured here:
+    0.5B/1.5B 0.36 (estimate 0.35), 135M/1.5B 0.17 (0.12). Deterministic on purpose (see
+    DraftPolicy).
+    """
+
+    def active_bytes(model, head_rows):
+        emb = model.get_input_embeddings()
+        head = getattr(model, "lm_head", None)
+        total = 0
+        seen = set()
+        for prm in model.parameters():
+            if id(prm) in seen:
+                continue
+            seen.add(id(prm))
+            if emb is not None and prm is emb.weight:
+                continue
+            if head is not None and prm is getattr(head, "weight", None):
+                continue
+            total += prm.numel() * prm.element_size()
+        hw = getattr(head, "weight", None) if head is not None else (emb.weight if emb is not None else None)
+        if hw is not None:
+            rows = hw.shape[0] if head_rows is None else head_rows
+            total += rows * hw.shape[1] * hw.element_size()
+        overhead = 60e6 * next(model.parameters()).element_size()
+        return total + overhead
+
+    return active_bytes(drafter_model, drafter_head_rows) / active_bytes(target_model, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,6 +375,7 @@ class Stats:
     """Per-call statistics, JSON-friendly."""
 
     mode: str = "target-only"
+    draft_mode: str = ""  # "tli" (drafts from the vocabulary intersection) or "text" (greedy: drafted text re-encoded)
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
@@ -430,11 +449,10 @@ class Engine:
     """
 
     def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None):
-        from . import vocab as V
-
         self.target = target
         self.drafter = drafter
         self.mapping = None
+        self._cost_cache: dict[str, float] = {}
         self.t_bytes = [b if b is not None else b"" for b in V.token_bytes(target.tokenizer)]
         if drafter is not None:
             self.mapping = mapping or V.build_mapping(target.tokenizer, drafter.tokenizer, cache_dir=vocab_cache_dir)
@@ -453,10 +471,24 @@ class Engine:
             self._src = torch.from_numpy(np.nonzero(d2t >= 0)[0])  # drafter ids in the intersection
             self._dst = torch.from_numpy(d2t[d2t >= 0])  # their target ids
             self.d_bytes = [b if b is not None else b"" for b in V.token_bytes(drafter.tokenizer)]
+            # text drafting may use every drafter token that stands for some bytes
+            has_bytes = np.zeros(vd, dtype=bool)
+            nb = min(vd, len(self.d_bytes))
+            has_bytes[:nb] = [len(b) > 0 for b in self.d_bytes[:nb]]
+            self.allowed_text = torch.from_numpy(has_bytes)
+            src = np.nonzero(d2t >= 0)[0]
+            self.same_vocab = vd == vt and bool(np.array_equal(d2t[src], src)) and int(has_bytes.sum()) == len(src)
             if not bool(self.allowed.any()):
                 raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
 
     # ---- helpers -------------------------------------------------------------------------
+    def _cost_ratio(self, text_mode: bool) -> float:
+        key = "text" if text_mode else "tli"
+        if key not in self._cost_cache:
+            rows = int((self.allowed_text if text_mode else self.allowed).sum())
+            self._cost_cache[key] = estimate_cost_ratio(self.drafter.model, self.target.model, rows)
+        return self._cost_cache[key]
+
     def _encode(self, tok, text: str) -> list[int]:
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
@@ -467,6 +499,29 @@ class Engine:
         q.index_add_(1, self._dst, probs_d.double().cpu())  # probs_d is compact: column j = drafter id _src[j]
         return q
 
+    def _commit_text(self, dsess: DrafterSession, proposals: list[int], accepted_t: list[int], next_t: int,
+                     d_gen_lens: list[int]) -> None:
+        """Text drafting: keep the drafter proposals lying wholly inside the accepted text, then
+        append the rest of the new text (accepted drafts + the target's token) encoded byte-exactly."""
+        new_bytes = b"".join(self.t_bytes[t] for t in accepted_t if t < len(self.t_bytes))
+        agreed = len(new_bytes)
+        if next_t < len(self.t_bytes):
+            new_bytes += self.t_bytes[next_t]
+        keep, off = 0, 0
+        for d in proposals:
+            ln = len(self.d_bytes[d])
+            if off + ln > agreed:
+                break
+            off += ln
+            keep += 1
+        try:
+            tail = V.encode_bytes(self.drafter.tokenizer, new_bytes[off:])
+        except ValueError:
+            text = new_bytes[off:].decode("utf-8", errors="ignore")
+            tail = list(self.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        dsess.commit(proposals[:keep], tail)
+        d_gen_lens.extend(len(self.d_bytes[t]) if t < len(self.d_bytes) else 0 for t in proposals[:keep] + tail)
+
     def _resync(self, dsess: DrafterSession, d_prompt_len: int, d_gen_lens: list[int], gen_bytes: bytes, window: int) -> None:
         """Re-tokenise the drafter's last `window` generated tokens plus the target's new text.
 
@@ -474,8 +529,6 @@ class Engine:
         drafts and mapped target tokens have identical bytes; re-tokenised tails are encoded
         byte-exactly), so the kept prefix ends at a known byte offset.
         """
-        from . import vocab as V
-
         n_gen = len(dsess.ids) - d_prompt_len
         keep = max(0, n_gen - window)
         tail = gen_bytes[sum(d_gen_lens[:keep]):]
@@ -537,6 +590,7 @@ class Engine:
         eos = set(self.target.eos_token_ids)
         tsess = TargetSession(self.target.model, prompt_ids, self.target.device, params, seed)
         spec = use_drafter and self.drafter is not None
+        text_mode = False
         dsess = None
         if spec:
             stats.mode = "speculative"
@@ -546,13 +600,17 @@ class Engine:
                 if prompt is None:
                     prompt = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=True)
                 d_ids = self._encode(self.drafter.tokenizer, prompt)
-            dsess = DrafterSession(self.drafter.model, d_ids, self.drafter.device, params, seed, self.allowed,
-                                   stop_below=draft.stop_below)
+            if draft.mode == "text" and not params.greedy:
+                raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
+            text_mode = params.greedy and not self.same_vocab and draft.mode in ("auto", "text")
+            stats.draft_mode = "text" if text_mode else "tli"
+            dsess = DrafterSession(self.drafter.model, d_ids, self.drafter.device, params, seed,
+                                   self.allowed_text if text_mode else self.allowed, stop_below=draft.stop_below)
             d_prompt_len = len(d_ids)
             d_gen_lens: list[int] = []
         gen: list[int] = []
         gen_bytes = bytearray()
-        policy = DraftPolicy(draft)
+        policy = DraftPolicy(draft, self._cost_ratio(text_mode) if spec else 1.0)
         k = draft.num_draft_tokens
         round_index = 0
         while len(gen) < max_new_tokens:
@@ -564,7 +622,14 @@ class Engine:
             q = None
             if kk > 0:
                 block = dsess.draft(kk, round_index)
-                drafts_t = [int(self.d2t[d]) for d in block.ids]
+                if text_mode:
+                    drafted_bytes = b"".join(self.d_bytes[d] for d in block.ids)
+                    try:
+                        drafts_t = V.encode_bytes(self.target.tokenizer, drafted_bytes)[: remaining - 1]
+                    except ValueError:  # the target cannot spell these bytes: nothing to propose
+                        drafts_t = []
+                else:
+                    drafts_t = [int(self.d2t[d]) for d in block.ids]
                 if block.probs is not None:
                     q = self._q_target(block.probs)
                 stats.draft_s += block.forward_s
@@ -577,7 +642,7 @@ class Engine:
             else:
                 stats.verify_s += res.forward_s
                 if spec:
-                    policy.observe(kd, n, block.forward_s if block else 0.0, res.forward_s)
+                    policy.observe(kd, n)
             stats.record_round(kd, n)
             if spec and kd == 0 and remaining > 1:
                 stats.skipped_rounds += 1
@@ -595,7 +660,9 @@ class Engine:
             if stats.finish_reason == "stop" or len(gen) >= max_new_tokens:
                 stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
                 break
-            if spec:
+            if spec and text_mode:
+                self._commit_text(dsess, block.ids if block else [], drafts_t[:n], res.outcome.next_token, d_gen_lens)
+            elif spec:
                 accepted_d = block.ids[:n] if block else []
                 nxt = res.outcome.next_token
                 d_nxt = int(self.t2d[nxt]) if nxt < len(self.t2d) else -1
@@ -607,7 +674,7 @@ class Engine:
                     d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d)
                     self._resync(dsess, d_prompt_len, d_gen_lens, bytes(gen_bytes), draft.resync_window)
                     stats.resyncs += 1
-                k = policy.next_k(kd, n)
+                k = policy.next_k()
             round_index += 1
             stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
         stats.new_tokens = len(gen)

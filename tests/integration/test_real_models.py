@@ -47,14 +47,17 @@ def test_greedy_identical_to_target_only(engine):
     outside_total = 0
     for prompt in PROMPTS:
         ref = engine.generate(prompt, max_new_tokens=N_TOKENS, use_drafter=False)
-        out = engine.generate(prompt, max_new_tokens=N_TOKENS, draft=DraftConfig(num_draft_tokens=4))
-        assert out.token_ids == ref.token_ids, f"diverged on {prompt!r}"
-        assert out.text == ref.text
-        assert out.stats.drafted > 0
-        outside = [t for t in ref.token_ids if engine.t2d[t] < 0 and t not in engine.target.eos_token_ids]
-        outside_total += len(outside)
-        if outside:
-            assert out.stats.resyncs > 0
+        # TLI drafting (the intersection) and text drafting (greedy: drafted text re-encoded)
+        for mode in ("tli", "text"):
+            out = engine.generate(prompt, max_new_tokens=N_TOKENS, draft=DraftConfig(num_draft_tokens=4, mode=mode))
+            assert out.token_ids == ref.token_ids, f"{mode} diverged on {prompt!r}"
+            assert out.text == ref.text
+            assert out.stats.drafted > 0 and out.stats.draft_mode == mode
+            if mode == "tli":
+                outside = [t for t in ref.token_ids if engine.t2d[t] < 0 and t not in engine.target.eos_token_ids]
+                outside_total += len(outside)
+                if outside:
+                    assert out.stats.resyncs > 0
     assert outside_total > 0, "no prompt needed a target token outside the intersection"
 
 

@@ -66,12 +66,20 @@ def test_tli_mapping_is_partial(tli):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k, adaptive", [(1, False), (3, True), (6, False)])
-def test_greedy_tli_is_token_identical(tli, prompt, k, adaptive):
+@pytest.mark.parametrize("mode", ["tli", "text"])
+def test_greedy_is_token_identical(tli, prompt, k, adaptive, mode):
     ref = tli.generate(prompt, max_new_tokens=40, use_drafter=False)
-    out = tli.generate(prompt, max_new_tokens=40, draft=DraftConfig(num_draft_tokens=k, adaptive=adaptive))
+    out = tli.generate(prompt, max_new_tokens=40, draft=DraftConfig(num_draft_tokens=k, adaptive=adaptive, mode=mode))
     assert out.token_ids == ref.token_ids
     assert out.text == ref.text
     assert out.stats.mode == "speculative" and out.stats.drafted > 0
+    assert out.stats.draft_mode == mode
+
+
+def test_text_drafting_refuses_sampling(tli):
+    with pytest.raises(InvalidArgument) as e:
+        tli.generate("hi", max_new_tokens=3, params=SamplingParams(temperature=1.0), draft=DraftConfig(mode="text"))
+    assert e.value.field == "mode"
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
@@ -87,7 +95,7 @@ def test_greedy_run_hits_tokens_outside_intersection_and_resyncs(tli):
     resyncs = 0
     for prompt in PROMPTS:
         ref = tli.generate(prompt, max_new_tokens=40, use_drafter=False)
-        out = tli.generate(prompt, max_new_tokens=40)
+        out = tli.generate(prompt, max_new_tokens=40, draft=DraftConfig(mode="tli"))
         assert out.token_ids == ref.token_ids
         outside += sum(1 for t in ref.token_ids if t >= len(tli.t2d) or tli.t2d[t] < 0)
         resyncs += out.stats.resyncs
