@@ -50,6 +50,9 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4, help="initial block size k")
     p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of choosing it per round")
     p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10, help="upper bound for adaptive k")
+    p.add_argument("--draft-mode", choices=["auto", "tli", "text"], default="auto",
+                   help="tli: draft from the vocabulary intersection; text (greedy only): draft freely and "
+                        "re-encode the drafted text into target tokens; auto: text for greedy across vocabularies, else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
 
@@ -99,6 +102,7 @@ def _sampling_from_args(a):
         adaptive=not a.no_adaptive,
         max_draft_tokens=max(a.max_draft_tokens, a.num_draft_tokens),
         stop_below=a.stop_below,
+        mode=a.draft_mode,
     )
     return params, draft
 
