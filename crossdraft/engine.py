@@ -674,6 +674,7 @@ class Engine:
                     d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d)
                     self._resync(dsess, d_prompt_len, d_gen_lens, bytes(gen_bytes), draft.resync_window)
                     stats.resyncs += 1
+            if spec:
                 k = policy.next_k()
             round_index += 1
             stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
