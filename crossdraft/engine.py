@@ -81,7 +81,6 @@ class DraftPolicy:
         self.cfg = cfg
         self.c = max(1e-3, float(cost_ratio))
         self.slope = max(0.0, float(verify_slope))
-        self.k = cfg.num_draft_tokens
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
         self.skipped = 0
@@ -109,7 +108,6 @@ class DraftPolicy:
             self.skipped += 1
             return cfg.min_draft_tokens if self.skipped % self.probe_every == 0 else 0
         self.skipped = 0
-        self.k = best
         return best
 
 
@@ -657,12 +655,10 @@ class Engine:
             for tok in emitted:
                 if tok < len(self.t_bytes):
                     gen_bytes += self.t_bytes[tok]
-            if stats.finish_reason == "stop" or len(gen) >= max_new_tokens:
-                stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
-                break
-            if spec and text_mode:
+            done = stats.finish_reason == "stop" or len(gen) >= max_new_tokens
+            if not done and text_mode:
                 self._commit_text(dsess, block.ids if block else [], drafts_t[:n], res.outcome.next_token, d_gen_lens)
-            elif spec:
+            elif not done and spec:
                 accepted_d = block.ids[:n] if block else []
                 nxt = res.outcome.next_token
                 d_nxt = int(self.t2d[nxt]) if nxt < len(self.t2d) else -1
@@ -674,10 +670,12 @@ class Engine:
                     d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d)
                     self._resync(dsess, d_prompt_len, d_gen_lens, bytes(gen_bytes), draft.resync_window)
                     stats.resyncs += 1
-            if spec:
+            if spec and not done:
                 k = policy.next_k()
             round_index += 1
             stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
+            if done:
+                break
         stats.new_tokens = len(gen)
         stats.total_s = time.perf_counter() - t_start
         text = self.target.tokenizer.decode(gen, skip_special_tokens=True)
