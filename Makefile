@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 PYTEST_ARGS ?=
 
-.PHONY: venv models run test test-fast bench clean
+.PHONY: venv protos models run test test-fast bench clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,15 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-venv: $(STAMP)
+# gRPC stubs from proto/ (generated, not committed): crossdraft/v1/*_pb2*.py
+PROTOS = $(wildcard proto/crossdraft/v1/*.proto)
+protos: crossdraft/v1/__init__.py
+crossdraft/v1/__init__.py: $(PROTOS) | $(STAMP)
+	mkdir -p crossdraft/v1
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	echo '# Generated from proto/crossdraft/v1 by make protos; do not edit.' > $@
+
+venv: $(STAMP) protos
 
 models: venv
 	@for m in $(TEST_MODELS); do $(BIN)/crossdraft models pull $$m || exit 1; done
