@@ -28,3 +28,26 @@ class UnknownModel(ModelError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "unknown model"
+
+
+class NotFound(CrossdraftError, KeyError):
+    """A named thing (a session, an allowed-token mask) does not exist. ``what`` names it."""
+
+    def __init__(self, what: str, message: str):
+        self.what = what
+        super().__init__(f"{what}: {message}")
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class FailedPrecondition(CrossdraftError):
+    """The caller's view of a session disagrees with the server's (re-sync and retry)."""
+
+
+class Unavailable(CrossdraftError):
+    """A dependency (Redis, the verifier, the drafter) cannot be reached right now."""
+
+
+class ResourceExhausted(CrossdraftError):
+    """A bounded resource (sessions, request size) is full."""
