@@ -25,7 +25,7 @@ import torch
 
 from . import sampling as S
 from . import vocab as V
-from .errors import InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument
 from .sampling import SamplingParams, VerifyOutcome
 
 
@@ -111,38 +111,50 @@ class DraftPolicy:
         return best
 
 
-def estimate_cost_ratio(drafter_model, target_model, drafter_head_rows: int | None = None) -> float:
-    """Drafter cost per token relative to one target forward, from weight sizes.
+def cost_numbers(model, head_rows: int | None = None) -> tuple[int, int, int]:
+    """(body_bytes, head_row_bytes, head_rows) of one token's forward, for :func:`cost_ratio`.
 
-    One-token decoding is memory-bound: its time follows the bytes of weights read (embedding
-    lookups excluded, the LM head included -- only the pruned rows for the drafter), plus a fixed
-    per-forward overhead worth ~60M parameters on CPU (kernel launches, Python). Measured here:
-    0.5B/1.5B 0.36 (estimate 0.35), 135M/1.5B 0.17 (0.12). Deterministic on purpose (see
-    DraftPolicy).
+    One-token decoding is memory-bound: its time follows the bytes of weights read. body_bytes
+    counts every weight except the embedding table and the LM head, plus a fixed per-forward
+    overhead worth ~60M parameters on CPU (kernel launches, Python); the LM head counts
+    head_rows x head_row_bytes (only the pruned rows for the drafter). Model servers report
+    these numbers so the gateway can run the same policy as the in-process engine.
     """
+    emb = model.get_input_embeddings()
+    head = getattr(model, "lm_head", None)
+    total = 0
+    seen = set()
+    for prm in model.parameters():
+        if id(prm) in seen:
+            continue
+        seen.add(id(prm))
+        if emb is not None and prm is emb.weight:
+            continue
+        if head is not None and prm is getattr(head, "weight", None):
+            continue
+        total += prm.numel() * prm.element_size()
+    hw = getattr(head, "weight", None) if head is not None else (emb.weight if emb is not None else None)
+    row_bytes, rows = 0, 0
+    if hw is not None:
+        rows = hw.shape[0] if head_rows is None else head_rows
+        row_bytes = hw.shape[1] * hw.element_size()
+    overhead = 60e6 * next(model.parameters()).element_size()
+    return int(total + overhead), int(row_bytes), int(rows)
 
-    def active_bytes(model, head_rows):
-        emb = model.get_input_embeddings()
-        head = getattr(model, "lm_head", None)
-        total = 0
-        seen = set()
-        for prm in model.parameters():
-            if id(prm) in seen:
-                continue
-            seen.add(id(prm))
-            if emb is not None and prm is emb.weight:
-                continue
-            if head is not None and prm is getattr(head, "weight", None):
-                continue
-            total += prm.numel() * prm.element_size()
-        hw = getattr(head, "weight", None) if head is not None else (emb.weight if emb is not None else None)
-        if hw is not None:
-            rows = hw.shape[0] if head_rows is None else head_rows
-            total += rows * hw.shape[1] * hw.element_size()
-        overhead = 60e6 * next(model.parameters()).element_size()
-        return total + overhead
 
-    return active_bytes(drafter_model, drafter_head_rows) / active_bytes(target_model, None)
+def cost_ratio(drafter: tuple[int, int, int], target: tuple[int, int, int]) -> float:
+    """Drafter cost per token relative to one target forward, from :func:`cost_numbers`.
+
+    Measured here: 0.5B/1.5B 0.36 (estimate 0.35), 135M/1.5B 0.17 (0.12). Deterministic on
+    purpose (see DraftPolicy).
+    """
+    db, drow, drows = drafter
+    tb, trow, trows = target
+    return (db + drow * drows) / max(1, tb + trow * trows)
+
+
+def estimate_cost_ratio(drafter_model, target_model, drafter_head_rows: int | None = None) -> float:
+    return cost_ratio(cost_numbers(drafter_model, drafter_head_rows), cost_numbers(target_model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +198,20 @@ def _pruned_head(model, allowed_ids: torch.Tensor):
     return w.detach().index_select(0, allowed_ids.to(w.device)).contiguous()
 
 
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class _ModelSession:
-    """ids + KV cache of one causal LM; feeds the uncached tail plus extra tokens."""
+    """ids + KV cache of one causal LM; feeds the uncached tail plus extra tokens.
+
+    ``fed`` lists exactly the tokens whose keys/values are in the cache (a prefix of ids, possibly
+    followed by uncommitted proposals), so any new history can reuse the longest common prefix.
+    """
 
     def __init__(self, model, ids: list[int], device: torch.device):
         if not ids:
@@ -196,6 +220,7 @@ class _ModelSession:
         self.device = device
         self.ids: list[int] = list(ids)
         self.cache = new_cache(model)
+        self.fed: list[int] = []
 
     @property
     def cache_len(self) -> int:
@@ -206,20 +231,37 @@ class _ModelSession:
         """Feed ids[cache_len:] + extra; return the last `keep` rows of logits [keep, V]."""
         start = self.cache_len
         feed = self.ids[start:] + list(extra)
-        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=inp,
-            position_ids=pos,
-            cache_position=pos[0],
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        out = self.model(**self._inputs(start, feed), logits_to_keep=keep)
+        self.fed = self.fed[:start] + feed
         return out.logits[0, -keep:, :]
 
+    def _inputs(self, start: int, feed: list[int]) -> dict:
+        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
+        return dict(input_ids=inp, position_ids=pos, cache_position=pos[0], past_key_values=self.cache, use_cache=True)
+
     def truncate_cache(self, valid: int) -> None:
-        crop_cache(self.cache, min(valid, self.cache_len, len(self.ids) - 1))
+        n = min(valid, self.cache_len, len(self.ids) - 1)
+        crop_cache(self.cache, n)
+        del self.fed[n:]
+
+    def sync(self, ids: list[int]) -> int:
+        """Replace the history with `ids`; keep the cache up to the longest common prefix."""
+        if not ids:
+            raise InvalidArgument("token_ids", "must not be empty")
+        self.ids = list(ids)
+        self.truncate_cache(_lcp(self.fed, self.ids))
+        return self.cache_len
+
+    def edit(self, keep: int, append: list[int]) -> None:
+        """ids = ids[:keep] + append; the cache keeps the common prefix (proposals included)."""
+        if keep > len(self.ids):
+            raise FailedPrecondition(f"edit keeps {keep} tokens but the session holds {len(self.ids)}")
+        new = self.ids[:keep] + list(append)
+        if not new:
+            raise InvalidArgument("edit", "would leave the session empty")
+        self.ids = new
+        self.truncate_cache(_lcp(self.fed, new))
 
 
 @dataclass
@@ -231,33 +273,57 @@ class VerifyResult:
     forward_s: float
 
 
+def dense_q(q_rows, k: int, vocab: int) -> torch.Tensor:
+    """Sparse drafter rows [(target ids [m], probs [m])] * k -> [k, vocab] float64, each row normalised."""
+    q = torch.zeros(k, vocab, dtype=torch.float64)
+    for i, (ids, probs) in enumerate(q_rows):
+        ids_t = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab):
+            raise InvalidArgument("q", f"row {i} has token ids outside [0, {vocab})")
+        pr = torch.as_tensor(np.asarray(probs, dtype=np.float64))
+        if pr.shape != ids_t.shape:
+            raise InvalidArgument("q", f"row {i}: {ids_t.numel()} ids but {pr.numel()} probabilities")
+        if pr.numel() and (not bool(torch.isfinite(pr).all()) or float(pr.min()) < 0):
+            raise InvalidArgument("q", f"row {i} has negative or non-finite probabilities")
+        q[i].index_add_(0, ids_t, pr)
+        s = float(q[i].sum())
+        if not s > 0:
+            raise InvalidArgument("q", f"row {i} has no probability mass")
+        q[i] /= s
+    return q
+
+
 class TargetSession(_ModelSession):
     """The target side of a round: one forward pass per block, lossless acceptance."""
 
-    def __init__(self, model, ids: list[int], device, params: SamplingParams, seed: int):
-        super().__init__(model, ids, device)
-        self.params = params
-        self.seed = seed
-
-    def verify(self, drafts: list[int], q: torch.Tensor | None, round_index: int) -> VerifyResult:
-        """drafts: [k] target ids; q: [k, V_target] drafter probabilities (None if greedy or k=0)."""
+    def verify(self, drafts: list[int], q_rows, round_index: int, params: SamplingParams, seed: int) -> VerifyResult:
+        """drafts: [k] target ids; q_rows: k sparse rows over target ids (None if greedy or k = 0)."""
         t0 = time.perf_counter()
         k = len(drafts)
         base = len(self.ids)
+        if not params.greedy and k and (q_rows is None or len(q_rows) != k):
+            raise InvalidArgument("q", f"sampling needs one drafter distribution per draft ({k}), got {0 if q_rows is None else len(q_rows)}")
         logits = self.forward(drafts, keep=k + 1)  # [k+1, V]
         vocab = logits.shape[-1]
+        if any(d < 0 or d >= vocab for d in drafts):
+            self.truncate_cache(base)
+            raise InvalidArgument("draft_token_ids", f"ids must be in [0, {vocab})")
         presence = None
-        if self.params.repetition_penalty != 1.0:
+        if params.repetition_penalty != 1.0:
             ctx = torch.tensor(self.ids, dtype=torch.long, device=logits.device)
             ext = torch.tensor(drafts, dtype=torch.long, device=logits.device) if k else None
             presence = S.presence_rows(ctx, ext, vocab, k + 1)
-        processed = S.process_logits(logits, self.params, presence)
-        if self.params.greedy:
+        processed = S.process_logits(logits, params, presence)
+        if params.greedy:
             outcome = S.verify_greedy(torch.argmax(processed, dim=-1).tolist(), drafts)
         else:
             p = S.probabilities(processed).double().cpu()
-            qd = q.double().cpu() if k else torch.zeros(0, vocab, dtype=torch.float64)
-            outcome = S.verify_sampling(p, qd, drafts, self.seed, round_index)
+            try:
+                qd = dense_q(q_rows, k, vocab) if k else torch.zeros(0, vocab, dtype=torch.float64)
+            except InvalidArgument:
+                self.truncate_cache(base)
+                raise
+            outcome = S.verify_sampling(p, qd, drafts, seed, round_index)
         emitted = list(drafts[: outcome.num_accepted]) + [outcome.next_token]
         self.ids.extend(emitted)
         # cache now holds base-1 + ... + all k drafts; keep the accepted prefix only
@@ -265,103 +331,130 @@ class TargetSession(_ModelSession):
         return VerifyResult(outcome, emitted, time.perf_counter() - t0)
 
 
-@dataclass
-class DraftBlock:
-    """k proposals of the drafter, in drafter ids, with their processed distributions."""
+# Drafter distributions are truncated to their head before sampling: the smallest set of most
+# likely tokens holding 1 - Q_TAIL of the mass, at most Q_MAX_ENTRIES. The drafter then samples
+# from exactly that (renormalised) distribution and ships it, so acceptance stays lossless --
+# any proposal distribution is, as long as the verifier sees the one actually sampled from.
+Q_TAIL = 1e-4
+Q_MAX_ENTRIES = 1024
 
-    ids: list[int]
-    probs: torch.Tensor | None  # [k, V_drafter] float32 (None when greedy)
+
+def truncate_distribution(pr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pr: [A] float32 probabilities -> (indices [m] ascending int64, probs [m] float32, unnormalised)."""
+    m = min(Q_MAX_ENTRIES, pr.numel())
+    vals, idx = torch.topk(pr, m)
+    cum = torch.cumsum(vals.double(), 0)
+    total = float(pr.double().sum())
+    n = int(torch.searchsorted(cum, torch.tensor([(1.0 - Q_TAIL) * total], dtype=torch.float64))[0]) + 1
+    n = max(1, min(n, int((vals > 0).sum()), m))
+    idx = idx[:n]
+    idx, _ = torch.sort(idx)
+    return idx.cpu(), pr[idx].cpu()
+
+
+@dataclass
+class DraftToken:
+    id: int  # drafter id
+    q_ids: np.ndarray | None  # [m] int32 drafter ids ascending (None when greedy)
+    q_probs: np.ndarray | None  # [m] float32, the distribution it was drawn from (unnormalised)
     forward_s: float
 
 
+@dataclass
+class DraftBlock:
+    """k proposals of the drafter, in drafter ids, with the distributions they were drawn from."""
+
+    tokens: list[DraftToken]
+    forward_s: float
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+
+class AllowedSet:
+    """The drafter ids a drafter may propose, ascending, with the matching LM-head rows."""
+
+    def __init__(self, model, mask: torch.Tensor | np.ndarray, device):
+        mask = torch.as_tensor(np.asarray(mask, dtype=bool))
+        self.ids = torch.nonzero(mask).flatten()  # [A] ascending drafter ids
+        if self.ids.numel() == 0:
+            raise InvalidArgument("mask", "allows no token")
+        self.ids_dev = self.ids.to(device)
+        # a pruned head pays off unless nearly every row is kept
+        full = getattr(getattr(model, "lm_head", None), "weight", None)
+        rows = full.shape[0] if full is not None else None
+        self.head = _pruned_head(model, self.ids_dev) if rows is None or self.ids.numel() < 0.9 * rows else None
+        self.count = int(self.ids.numel())
+
+
 class DrafterSession(_ModelSession):
-    """The drafter side: proposes only ids whose mask entry is True (the intersection).
+    """The drafter side: proposes only ids of an :class:`AllowedSet` (the intersection).
 
     Logits are computed only for the allowed ids: the LM head is pruned to those rows (kept in
-    ascending id order, so compact index j always means drafter id ``allowed_ids[j]``). For a
+    ascending id order, so compact index j always means drafter id ``allowed.ids[j]``). For a
     262,144-token Gemma drafter under a Qwen target that skips 63% of the head's matmul.
     """
 
-    def __init__(self, model, ids: list[int], device, params: SamplingParams, seed: int, allowed: torch.Tensor,
-                 stop_below: float = 0.0):
-        super().__init__(model, ids, device)
-        self.params = params
-        self.seed = seed
-        self.stop_below = stop_below
-        self.allowed_ids = torch.nonzero(allowed.to("cpu")).flatten()  # [A] ascending drafter ids
-        self._allowed_dev = self.allowed_ids.to(device)
-        self._head = _pruned_head(model, self._allowed_dev)  # [A, H] or None
-
     @torch.inference_mode()
-    def _compact_logits(self) -> torch.Tensor:
+    def _compact_logits(self, allowed: AllowedSet) -> torch.Tensor:
         """Logits of the next token over the allowed ids only: [A] float32."""
-        if self._head is None:
-            return self.forward([], keep=1)[0].float()[self._allowed_dev]
+        if allowed.head is None:
+            return self.forward([], keep=1)[0].float()[allowed.ids_dev]
         start = self.cache_len
         feed = self.ids[start:]
-        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
-        out = self.model.model(input_ids=inp, position_ids=pos, cache_position=pos[0],
-                               past_key_values=self.cache, use_cache=True)
+        out = self.model.model(**self._inputs(start, feed))
+        self.fed = self.fed[:start] + feed
         h = out.last_hidden_state[0, -1]
-        return torch.nn.functional.linear(h, self._head).float()
+        return torch.nn.functional.linear(h, allowed.head).float()
 
-    def draft(self, k: int, round_index: int) -> DraftBlock:
-        t0 = time.perf_counter()
+    def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
+                   stop_below: float = 0.0):
+        """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged)."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
-        ids: list[int] = []
-        rows: list[torch.Tensor] = []
         presence = None
         base = len(self.ids)
         try:
             for i in range(k):
-                logits = self._compact_logits()  # [A]; feeds the uncached tail (the last proposal)
-                if self.params.repetition_penalty != 1.0:
+                t0 = time.perf_counter()
+                logits = self._compact_logits(allowed)  # [A]; feeds the uncached tail (the last proposal)
+                if params.repetition_penalty != 1.0:
                     if presence is None:
-                        seen = torch.zeros(int(self.allowed_ids.max()) + 1 if len(self.allowed_ids) else 1, dtype=torch.bool)
-                        ctx = torch.tensor([t for t in self.ids if t < seen.numel()], dtype=torch.long)
+                        top = int(allowed.ids.max()) + 1
+                        seen = torch.zeros(top, dtype=torch.bool)
+                        ctx = torch.tensor([t for t in self.ids if 0 <= t < top], dtype=torch.long)
                         seen[ctx] = True
-                        presence = seen[self.allowed_ids].to(logits.device)
-                    elif ids:
-                        j = int(torch.searchsorted(self.allowed_ids, torch.tensor(ids[-1])))
+                        presence = seen[allowed.ids].to(logits.device)
+                    else:
+                        j = int(torch.searchsorted(allowed.ids, torch.tensor(self.ids[-1])))
                         presence[j] = True
                 pres = None if presence is None else presence.unsqueeze(0)
-                processed = S.process_logits(logits.unsqueeze(0), self.params, pres)[0]
-                if self.params.greedy:
+                processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
+                if params.greedy:
                     j = int(torch.argmax(processed))
-                    conf = float(torch.softmax(processed, dim=-1)[j]) if self.stop_below > 0 else 1.0
+                    conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 else 1.0
+                    q_ids = q_probs = None
                 else:
                     pr = torch.softmax(processed, dim=-1)
-                    rows.append(pr)
-                    j = S.sample_from(pr, S.uniform(self.seed, round_index, i, S.STREAM_DRAFT))
-                    conf = float(pr[j])
-                tok = int(self.allowed_ids[j])
-                ids.append(tok)
+                    idx, vals = truncate_distribution(pr)
+                    jj = S.sample_from(vals, S.uniform(seed, round_index, i, S.STREAM_DRAFT))
+                    j = int(idx[jj])
+                    conf = float(vals[jj].double() / vals.double().sum())
+                    q_ids = allowed.ids[idx].numpy().astype(np.int32)
+                    q_probs = vals.numpy().astype(np.float32)
+                tok = int(allowed.ids[j])
                 self.ids.append(tok)  # so that the next forward feeds exactly this proposal
-                if conf < self.stop_below:
+                yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0)
+                if conf < stop_below:
                     break
         finally:
-            del self.ids[base:]  # proposals stay proposals until commit()
-        probs = torch.stack(rows) if rows else None
-        return DraftBlock(ids, probs, time.perf_counter() - t0)
+            del self.ids[base:]  # proposals stay proposals until an edit keeps them
 
-    def commit(self, accepted: list[int], appended: list[int]) -> None:
-        """Keep `accepted` proposals (drafter ids) and append `appended`; crop the cache."""
-        base = len(self.ids)
-        self.ids.extend(accepted)
-        self.ids.extend(appended)
-        self.truncate_cache(base + len(accepted))
-
-    def replace_tail(self, keep: int, new_tail: list[int]) -> None:
-        """ids = ids[:keep] + new_tail; crop the cache to the common prefix."""
-        new = self.ids[:keep] + list(new_tail)
-        lcp = 0
-        for a, b in zip(self.ids, new):
-            if a != b:
-                break
-            lcp += 1
-        self.ids = new
-        self.truncate_cache(lcp)
+    def draft(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
+              stop_below: float = 0.0) -> DraftBlock:
+        t0 = time.perf_counter()
+        toks = list(self.draft_iter(k, round_index, params, seed, allowed, stop_below))
+        return DraftBlock(toks, time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,6 +483,10 @@ class Stats:
     other_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = "length"
+    drafter_fallback: bool = False  # the drafter failed or was too slow: the rest ran target-only
+    fallback_reason: str = ""
+    reused_target_tokens: int = 0  # verifier KV-cache entries reused from an earlier request
+    reused_drafter_tokens: int = 0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -443,117 +540,44 @@ class Engine:
     """Speculative decoding with a target and an optional drafter, in one process.
 
     target / drafter: :class:`crossdraft.models.LoadedModel`-like objects with ``model``,
-    ``tokenizer``, ``device``, ``eos_token_ids`` and ``vocab_size``.
+    ``tokenizer``, ``device``, ``eos_token_ids`` and ``vocab_size``. The round loop is
+    :class:`crossdraft.decode.Decoder` over in-process workers -- the same code the gateway runs
+    over gRPC, so both produce the same tokens.
     """
 
     def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None):
+        from .decode import Decoder, TokenPair
+        from .workers import DrafterWorker, VerifierWorker, WorkerConfig
+
         self.target = target
         self.drafter = drafter
-        self.mapping = None
-        self._cost_cache: dict[str, float] = {}
-        self.t_bytes = [b if b is not None else b"" for b in V.token_bytes(target.tokenizer)]
-        if drafter is not None:
-            self.mapping = mapping or V.build_mapping(target.tokenizer, drafter.tokenizer, cache_dir=vocab_cache_dir)
-            vt, vd = int(target.vocab_size), int(drafter.vocab_size)
-            d2t = np.full(vd, -1, dtype=np.int64)
-            n = min(vd, len(self.mapping.d2t))
-            d2t[:n] = self.mapping.d2t[:n]
-            d2t[d2t >= vt] = -1
-            t2d = np.full(vt, -1, dtype=np.int64)
-            n = min(vt, len(self.mapping.t2d))
-            t2d[:n] = self.mapping.t2d[:n]
-            t2d[t2d >= vd] = -1
-            self.d2t = d2t
-            self.t2d = t2d
-            self.allowed = torch.from_numpy(d2t >= 0)
-            self._src = torch.from_numpy(np.nonzero(d2t >= 0)[0])  # drafter ids in the intersection
-            self._dst = torch.from_numpy(d2t[d2t >= 0])  # their target ids
-            self.d_bytes = [b if b is not None else b"" for b in V.token_bytes(drafter.tokenizer)]
-            # text drafting may use every drafter token that stands for some bytes
-            has_bytes = np.zeros(vd, dtype=bool)
-            nb = min(vd, len(self.d_bytes))
-            has_bytes[:nb] = [len(b) > 0 for b in self.d_bytes[:nb]]
-            self.allowed_text = torch.from_numpy(has_bytes)
-            src = np.nonzero(d2t >= 0)[0]
-            self.same_vocab = vd == vt and bool(np.array_equal(d2t[src], src)) and int(has_bytes.sum()) == len(src)
-            if not bool(self.allowed.any()):
-                raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
+        self.pair = TokenPair(target.tokenizer, drafter.tokenizer if drafter is not None else None,
+                              int(target.vocab_size), int(drafter.vocab_size) if drafter is not None else 0,
+                              mapping=mapping, vocab_cache_dir=vocab_cache_dir)
+        self.mapping = self.pair.mapping
+        cfg = WorkerConfig(max_sessions=4)
+        self.verifier = VerifierWorker(target, cfg)
+        self.drafter_worker = DrafterWorker(drafter, cfg) if drafter is not None else None
+        self.decoder = Decoder(self.pair, self.verifier, self.drafter_worker, eos_ids=target.eos_token_ids,
+                               max_context=self.verifier.max_context, check_context=False)
+        self._n = 0
 
-    # ---- helpers -------------------------------------------------------------------------
-    def _cost_ratio(self, text_mode: bool) -> float:
-        key = "text" if text_mode else "tli"
-        if key not in self._cost_cache:
-            rows = int((self.allowed_text if text_mode else self.allowed).sum())
-            self._cost_cache[key] = estimate_cost_ratio(self.drafter.model, self.target.model, rows)
-        return self._cost_cache[key]
-
-    def _encode(self, tok, text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=True)["input_ids"])
-
-    def _q_target(self, probs_d: torch.Tensor) -> torch.Tensor:
-        """Map compact drafter probabilities [k, A] to target ids [k, V_t] (adding many-to-one)."""
-        k = probs_d.shape[0]
-        q = torch.zeros(k, int(self.target.vocab_size), dtype=torch.float64)
-        q.index_add_(1, self._dst, probs_d.double().cpu())  # probs_d is compact: column j = drafter id _src[j]
-        return q
-
-    def _commit_text(self, dsess: DrafterSession, proposals: list[int], accepted_t: list[int], next_t: int,
-                     d_gen_lens: list[int]) -> None:
-        """Text drafting: keep the drafter proposals lying wholly inside the accepted text, then
-        append the rest of the new text (accepted drafts + the target's token) encoded byte-exactly."""
-        new_bytes = b"".join(self.t_bytes[t] for t in accepted_t if t < len(self.t_bytes))
-        agreed = len(new_bytes)
-        if next_t < len(self.t_bytes):
-            new_bytes += self.t_bytes[next_t]
-        keep, off = 0, 0
-        for d in proposals:
-            ln = len(self.d_bytes[d])
-            if off + ln > agreed:
-                break
-            off += ln
-            keep += 1
-        try:
-            tail = V.encode_bytes(self.drafter.tokenizer, new_bytes[off:])
-        except ValueError:
-            text = new_bytes[off:].decode("utf-8", errors="ignore")
-            tail = list(self.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        dsess.commit(proposals[:keep], tail)
-        d_gen_lens.extend(len(self.d_bytes[t]) if t < len(self.d_bytes) else 0 for t in proposals[:keep] + tail)
-
-    def _resync(self, dsess: DrafterSession, d_prompt_len: int, d_gen_lens: list[int], gen_bytes: bytes, window: int) -> None:
-        """Re-tokenise the drafter's last `window` generated tokens plus the target's new text.
-
-        The drafter's generated ids always spell exactly the target's generated bytes (accepted
-        drafts and mapped target tokens have identical bytes; re-tokenised tails are encoded
-        byte-exactly), so the kept prefix ends at a known byte offset.
-        """
-        n_gen = len(dsess.ids) - d_prompt_len
-        keep = max(0, n_gen - window)
-        tail = gen_bytes[sum(d_gen_lens[:keep]):]
-        try:
-            new_tail = V.encode_bytes(self.drafter.tokenizer, tail)
-        except ValueError:  # the drafter cannot spell these bytes: approximate (quality only)
-            text = tail.decode("utf-8", errors="ignore")
-            new_tail = list(self.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        dsess.replace_tail(d_prompt_len + keep, new_tail)
-        del d_gen_lens[keep:]
-        d_gen_lens.extend(len(self.d_bytes[t]) if t < len(self.d_bytes) else 0 for t in new_tail)
+    def __getattr__(self, name):  # d2t, t2d, allowed, same_vocab, t_bytes, d_bytes live on the pair
+        if name in ("d2t", "t2d", "allowed", "allowed_text", "same_vocab", "t_bytes", "d_bytes"):
+            return getattr(self.pair, name)
+        raise AttributeError(name)
 
     @staticmethod
     def chat_ids(tok, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
-        if not getattr(tok, "chat_template", None):
-            raise InvalidArgument("chat", f"{getattr(tok, 'name_or_path', 'model')} has no chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        from .decode import chat_ids
+
+        return chat_ids(tok, messages)
 
     def generate_chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generate the assistant's reply; each model sees the conversation in its own template."""
-        t_ids = self.chat_ids(self.target.tokenizer, messages)
-        d_ids = self.chat_ids(self.drafter.tokenizer, messages) if self.drafter is not None else None
+        t_ids, d_ids = self.pair.chat_ids(messages)
         return self.generate(prompt_ids=t_ids, drafter_prompt_ids=d_ids, **kwargs)
 
-    # ---- the loop ------------------------------------------------------------------------
     def generate(
         self,
         prompt: str | None = None,
@@ -566,117 +590,30 @@ class Engine:
         draft: DraftConfig | None = None,
         use_drafter: bool = True,
     ) -> GenerationResult:
-        params = params or SamplingParams()
-        draft = draft or DraftConfig()
-        _check_positive_int("max_new_tokens", max_new_tokens)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgument("seed", "must be an integer")
         if prompt_ids is None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidArgument("prompt", "must be a non-empty string")
-            prompt_ids = self._encode(self.target.tokenizer, prompt)
+            prompt_ids = self.pair.encode_target(prompt)
         if not prompt_ids:
             raise InvalidArgument("prompt", "must not be empty")
-        limit = getattr(self.target.model.config, "max_position_embeddings", None)
-        if limit and len(prompt_ids) + max_new_tokens > limit:
-            raise InvalidArgument(
-                "max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the context ({limit})"
-            )
-
-        t_start = time.perf_counter()
-        stats = Stats(prompt_tokens=len(prompt_ids))
-        eos = set(self.target.eos_token_ids)
-        tsess = TargetSession(self.target.model, prompt_ids, self.target.device, params, seed)
-        spec = use_drafter and self.drafter is not None
-        text_mode = False
-        dsess = None
-        if spec:
-            stats.mode = "speculative"
+        d_ids = None
+        if self.drafter is not None and use_drafter:
             if drafter_prompt_ids is not None:
                 d_ids = list(drafter_prompt_ids)
             else:
                 if prompt is None:
                     prompt = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-                d_ids = self._encode(self.drafter.tokenizer, prompt)
-            if draft.mode == "text" and not params.greedy:
-                raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
-            text_mode = params.greedy and not self.same_vocab and draft.mode in ("auto", "text")
-            stats.draft_mode = "text" if text_mode else "tli"
-            dsess = DrafterSession(self.drafter.model, d_ids, self.drafter.device, params, seed,
-                                   self.allowed_text if text_mode else self.allowed, stop_below=draft.stop_below)
-            d_prompt_len = len(d_ids)
-            d_gen_lens: list[int] = []
-        gen: list[int] = []
-        gen_bytes = bytearray()
-        policy = DraftPolicy(draft, self._cost_ratio(text_mode) if spec else 1.0)
-        k = draft.num_draft_tokens
-        round_index = 0
-        while len(gen) < max_new_tokens:
-            remaining = max_new_tokens - len(gen)
-            kk = min(k, remaining - 1) if spec else 0
-            t_round = time.perf_counter()
-            block = None
-            drafts_t: list[int] = []
-            q = None
-            if kk > 0:
-                block = dsess.draft(kk, round_index)
-                if text_mode:
-                    drafted_bytes = b"".join(self.d_bytes[d] for d in block.ids)
-                    try:
-                        drafts_t = V.encode_bytes(self.target.tokenizer, drafted_bytes)[: remaining - 1]
-                    except ValueError:  # the target cannot spell these bytes: nothing to propose
-                        drafts_t = []
-                else:
-                    drafts_t = [int(self.d2t[d]) for d in block.ids]
-                if block.probs is not None:
-                    q = self._q_target(block.probs)
-                stats.draft_s += block.forward_s
-            kd = len(drafts_t)
-            first = round_index == 0
-            res = tsess.verify(drafts_t, q, round_index)
-            n = res.outcome.num_accepted
-            if first:
-                stats.prefill_s += res.forward_s
-            else:
-                stats.verify_s += res.forward_s
-                if spec:
-                    policy.observe(kd, n)
-            stats.record_round(kd, n)
-            if spec and kd == 0 and remaining > 1:
-                stats.skipped_rounds += 1
-            emitted = res.emitted
-            # stop at EOS / the token budget
-            for j, tok in enumerate(emitted):
-                if tok in eos:
-                    emitted = emitted[: j + 1]
-                    stats.finish_reason = "stop"
-                    break
-            gen.extend(emitted)
-            for tok in emitted:
-                if tok < len(self.t_bytes):
-                    gen_bytes += self.t_bytes[tok]
-            done = stats.finish_reason == "stop" or len(gen) >= max_new_tokens
-            if not done and text_mode:
-                self._commit_text(dsess, block.ids if block else [], drafts_t[:n], res.outcome.next_token, d_gen_lens)
-            elif not done and spec:
-                accepted_d = block.ids[:n] if block else []
-                nxt = res.outcome.next_token
-                d_nxt = int(self.t2d[nxt]) if nxt < len(self.t2d) else -1
-                if d_nxt >= 0:
-                    dsess.commit(accepted_d, [d_nxt])
-                    d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d + [d_nxt])
-                else:
-                    dsess.commit(accepted_d, [])
-                    d_gen_lens.extend(len(self.d_bytes[t]) for t in accepted_d)
-                    self._resync(dsess, d_prompt_len, d_gen_lens, bytes(gen_bytes), draft.resync_window)
-                    stats.resyncs += 1
-            if spec and not done:
-                k = policy.next_k()
-            round_index += 1
-            stats.other_s += time.perf_counter() - t_round - res.forward_s - (block.forward_s if block else 0.0)
-            if done:
-                break
-        stats.new_tokens = len(gen)
-        stats.total_s = time.perf_counter() - t_start
-        text = self.target.tokenizer.decode(gen, skip_special_tokens=True)
-        return GenerationResult(text, gen, stats)
+                d_ids = self.pair.encode_drafter(prompt)
+        self._n += 1
+        sid = f"engine-{self._n}"
+        try:
+            run = self.decoder.run(sid, list(prompt_ids), d_ids, max_new_tokens=max_new_tokens,
+                                   params=params or SamplingParams(), seed=seed, draft=draft or DraftConfig(),
+                                   use_drafter=use_drafter)
+            for _ in run:
+                pass
+            return run.result
+        finally:
+            self.verifier.end(sid)
+            if self.drafter_worker is not None:
+                self.drafter_worker.end(sid)
