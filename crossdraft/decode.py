@@ -201,8 +201,12 @@ class Decoder:
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, sid: str, target_ids: list[int], drafter_ids: list[int] | None, *, max_new_tokens: int,
             params: SamplingParams, seed: int, draft: DraftConfig, round_start: int = 0,
-            use_drafter: bool = True) -> Run:
-        """Validate, sync both servers with the full histories, and return the round iterator."""
+            use_drafter: bool = True, round_scope=None) -> Run:
+        """Validate and return the round iterator (its first step syncs both servers).
+
+        round_scope: optional callable round_index -> context manager yielding record(RoundEvent);
+        each round's port calls run inside it (the gateway opens the round's trace span there).
+        """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise InvalidArgument("max_new_tokens", f"must be an integer, got {type(max_new_tokens).__name__}")
         if max_new_tokens <= 0:
@@ -222,10 +226,10 @@ class Decoder:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
         run = Run(None)
         run._gen = self._rounds(run, sid, list(target_ids), list(drafter_ids) if spec else None, max_new_tokens,
-                                params, seed, draft, round_start, spec)
+                                params, seed, draft, round_start, spec, round_scope)
         return run
 
-    def _rounds(self, run, sid, t_ids, d_ids, max_new_tokens, params, seed, draft, round_start, spec):
+    def _rounds(self, run, sid, t_ids, d_ids, max_new_tokens, params, seed, draft, round_start, spec, round_scope):
         pair = self.pair
         t_start = time.perf_counter()
         stats = Stats(prompt_tokens=len(t_ids))
@@ -258,71 +262,83 @@ class Decoder:
         round_index = round_start
         first = True
         while True:
-            remaining = max_new_tokens - len(gen)
-            kk = min(k, remaining - 1) if spec else 0
-            t_round = time.perf_counter()
-            toks = []
-            drafts_t: list[int] = []
-            q_rows = None
-            draft_s = 0.0
-            if kk > 0:
-                t0 = time.perf_counter()
-                try:
-                    toks = self._draft(sid, d, kk, round_index, params, seed, draft.stop_below, mode)
-                except Unavailable as e:
-                    spec, toks = False, []
-                    stats.drafter_fallback, stats.fallback_reason = True, str(e)
-                draft_s = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
-                d_prop = [t.id for t in toks]
-                if text_mode:
-                    drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
+            cm = round_scope(round_index) if round_scope is not None else None
+            record = cm.__enter__() if cm is not None else None
+            try:
+                remaining = max_new_tokens - len(gen)
+                kk = min(k, remaining - 1) if spec else 0
+                t_round = time.perf_counter()
+                toks = []
+                drafts_t: list[int] = []
+                q_rows = None
+                draft_s = 0.0
+                if kk > 0:
+                    t0 = time.perf_counter()
                     try:
-                        drafts_t = V.encode_bytes(pair.target_tok, drafted_bytes)[: remaining - 1] if drafted_bytes else []
-                    except ValueError:  # the target cannot spell these bytes: nothing to propose
-                        drafts_t = []
+                        toks = self._draft(sid, d, kk, round_index, params, seed, draft.stop_below, mode)
+                    except Unavailable as e:
+                        spec, toks = False, []
+                        stats.drafter_fallback, stats.fallback_reason = True, str(e)
+                    draft_s = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
+                    d_prop = [t.id for t in toks]
+                    if text_mode:
+                        drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
+                        try:
+                            drafts_t = V.encode_bytes(pair.target_tok, drafted_bytes)[: remaining - 1] if drafted_bytes else []
+                        except ValueError:  # the target cannot spell these bytes: nothing to propose
+                            drafts_t = []
+                    else:
+                        drafts_t = [int(pair.d2t[x]) for x in d_prop]
+                        if not params.greedy:
+                            q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
+                    stats.draft_s += draft_s
                 else:
-                    drafts_t = [int(pair.d2t[x]) for x in d_prop]
-                    if not params.greedy:
-                        q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
-                stats.draft_s += draft_s
-            else:
-                d_prop = []
-            kd = len(drafts_t)
-            res = self._verify(sid, t_ids, drafts_t, q_rows, round_index, params, seed)
-            n = res.num_accepted
-            emitted = list(drafts_t[:n]) + [res.next_token]
-            t_ids.extend(emitted)
-            if first:
-                stats.prefill_s += res.forward_s
-            else:
-                stats.verify_s += res.forward_s
-                if spec:
-                    policy.observe(kd, n)
-            first = False
-            stats.record_round(kd, n)
-            if spec and kd == 0 and remaining > 1:
-                stats.skipped_rounds += 1
-            out = emitted
-            for j, tok in enumerate(out):
-                if tok in self.eos:
-                    out = out[: j + 1]
-                    stats.finish_reason = "stop"
-                    break
-            gen.extend(out)
-            new_bytes = pair.target_text_bytes(out)
-            gen_bytes += new_bytes
-            done = stats.finish_reason == "stop" or len(gen) >= max_new_tokens
-            text = utf8.decode(new_bytes, final=done)
-            if not done and spec:
-                if text_mode:
-                    self._commit_text(d, d_prop, drafts_t[:n], res.next_token)
+                    d_prop = []
+                kd = len(drafts_t)
+                res = self._verify(sid, t_ids, drafts_t, q_rows, round_index, params, seed)
+                n = res.num_accepted
+                emitted = list(drafts_t[:n]) + [res.next_token]
+                if first:
+                    stats.prefill_s += res.forward_s
                 else:
-                    self._commit_tli(d, d_prop[:n], res.next_token, bytes(gen_bytes), draft.resync_window, stats)
-                k = policy.next_k()
-            overhead = time.perf_counter() - t_round - res.forward_s - draft_s
-            stats.other_s += overhead
-            ev = RoundEvent(round_index, kk, kd, n, out, text, draft_s, res.forward_s, overhead, done, t_ids,
-                            d["ids"] if d else None)
+                    stats.verify_s += res.forward_s
+                    if spec:
+                        policy.observe(kd, n)
+                first = False
+                stats.record_round(kd, n)
+                if spec and kd == 0 and remaining > 1:
+                    stats.skipped_rounds += 1
+                out = emitted
+                for j, tok in enumerate(out):
+                    if tok in self.eos:
+                        out = out[: j + 1]
+                        stats.finish_reason = "stop"
+                        break
+                gen.extend(out)
+                t_ids.extend(out)
+                new_bytes = pair.target_text_bytes(out)
+                gen_bytes += new_bytes
+                done = stats.finish_reason == "stop" or len(gen) >= max_new_tokens
+                text = utf8.decode(new_bytes, final=done)
+                if done and d is not None:
+                    self._edit(d, d["prompt_len"], self._encode_drafter_bytes(bytes(gen_bytes)))
+                if not done and spec:
+                    if text_mode:
+                        self._commit_text(d, d_prop, drafts_t[:n], res.next_token)
+                    else:
+                        self._commit_tli(d, d_prop[:n], res.next_token, bytes(gen_bytes), draft.resync_window, stats)
+                    k = policy.next_k()
+                overhead = time.perf_counter() - t_round - res.forward_s - draft_s
+                stats.other_s += overhead
+                ev = RoundEvent(round_index, kk, kd, n, out, text, draft_s, res.forward_s, overhead, done, t_ids,
+                                d["ids"] if d else None)
+            except BaseException as e:
+                if cm is not None and cm.__exit__(type(e), e, e.__traceback__):
+                    return
+                raise
+            if cm is not None:
+                record(ev)
+                cm.__exit__(None, None, None)
             round_index += 1
             run.next_round = round_index
             if d is not None:

@@ -397,12 +397,12 @@ class DrafterSession(_ModelSession):
     """
 
     @torch.inference_mode()
-    def _compact_logits(self, allowed: AllowedSet) -> torch.Tensor:
-        """Logits of the next token over the allowed ids only: [A] float32."""
+    def _compact_logits(self, allowed: AllowedSet, props: list[int]) -> torch.Tensor:
+        """Logits of the token after ids + props over the allowed ids only: [A] float32."""
         if allowed.head is None:
-            return self.forward([], keep=1)[0].float()[allowed.ids_dev]
+            return self.forward(props, keep=1)[0].float()[allowed.ids_dev]
         start = self.cache_len
-        feed = self.ids[start:]
+        feed = (self.ids + props)[start:]
         out = self.model.model(**self._inputs(start, feed))
         self.fed = self.fed[:start] + feed
         h = out.last_hidden_state[0, -1]
@@ -410,45 +410,43 @@ class DrafterSession(_ModelSession):
 
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
                    stop_below: float = 0.0):
-        """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged)."""
+        """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
+        the proposals stay in the cache so that an edit keeping them costs nothing)."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
         presence = None
-        base = len(self.ids)
-        try:
-            for i in range(k):
-                t0 = time.perf_counter()
-                logits = self._compact_logits(allowed)  # [A]; feeds the uncached tail (the last proposal)
-                if params.repetition_penalty != 1.0:
-                    if presence is None:
-                        top = int(allowed.ids.max()) + 1
-                        seen = torch.zeros(top, dtype=torch.bool)
-                        ctx = torch.tensor([t for t in self.ids if 0 <= t < top], dtype=torch.long)
-                        seen[ctx] = True
-                        presence = seen[allowed.ids].to(logits.device)
-                    else:
-                        j = int(torch.searchsorted(allowed.ids, torch.tensor(self.ids[-1])))
-                        presence[j] = True
-                pres = None if presence is None else presence.unsqueeze(0)
-                processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
-                if params.greedy:
-                    j = int(torch.argmax(processed))
-                    conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 else 1.0
-                    q_ids = q_probs = None
+        props: list[int] = []
+        for i in range(k):
+            t0 = time.perf_counter()
+            logits = self._compact_logits(allowed, props)  # [A]; feeds the uncached tail (the last proposal)
+            if params.repetition_penalty != 1.0:
+                if presence is None:
+                    top = int(allowed.ids.max()) + 1
+                    seen = torch.zeros(top, dtype=torch.bool)
+                    ctx = torch.tensor([t for t in self.ids if 0 <= t < top], dtype=torch.long)
+                    seen[ctx] = True
+                    presence = seen[allowed.ids].to(logits.device)
                 else:
-                    pr = torch.softmax(processed, dim=-1)
-                    idx, vals = truncate_distribution(pr)
-                    jj = S.sample_from(vals, S.uniform(seed, round_index, i, S.STREAM_DRAFT))
-                    j = int(idx[jj])
-                    conf = float(vals[jj].double() / vals.double().sum())
-                    q_ids = allowed.ids[idx].numpy().astype(np.int32)
-                    q_probs = vals.numpy().astype(np.float32)
-                tok = int(allowed.ids[j])
-                self.ids.append(tok)  # so that the next forward feeds exactly this proposal
-                yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0)
-                if conf < stop_below:
-                    break
-        finally:
-            del self.ids[base:]  # proposals stay proposals until an edit keeps them
+                    j = int(torch.searchsorted(allowed.ids, torch.tensor(props[-1])))
+                    presence[j] = True
+            pres = None if presence is None else presence.unsqueeze(0)
+            processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
+            if params.greedy:
+                j = int(torch.argmax(processed))
+                conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 else 1.0
+                q_ids = q_probs = None
+            else:
+                pr = torch.softmax(processed, dim=-1)
+                idx, vals = truncate_distribution(pr)
+                jj = S.sample_from(vals, S.uniform(seed, round_index, i, S.STREAM_DRAFT))
+                j = int(idx[jj])
+                conf = float(vals[jj].double() / vals.double().sum())
+                q_ids = allowed.ids[idx].numpy().astype(np.int32)
+                q_probs = vals.numpy().astype(np.float32)
+            tok = int(allowed.ids[j])
+            props.append(tok)  # the next forward feeds exactly this proposal
+            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0)
+            if conf < stop_below:
+                break
 
     def draft(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
               stop_below: float = 0.0) -> DraftBlock:

@@ -314,7 +314,15 @@ class DrafterWorker(_Worker):
             sess = self._get(sid)
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k)
-            yield from sess.draft_iter(k, round_index, params, seed, allowed, stop_below)
+            it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below)
+        # the lock is taken per token, never held across a yield: a consumer that stops reading
+        # (a cancelled stream) cannot block the model
+        while True:
+            with self.lock:
+                tok = next(it, None)
+            if tok is None:
+                return
+            yield tok
 
     def draft(self, *args, **kw) -> list[DraftToken]:
         return list(self.draft_iter(*args, **kw))

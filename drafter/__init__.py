@@ -1,0 +1,1 @@
+"""The drafter service: a small model proposing draft tokens over gRPC (crossdraft.v1.DrafterService)."""

@@ -1,0 +1,87 @@
+"""DrafterService servicer: translates messages to :class:`crossdraft.workers.DrafterWorker` calls."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Histogram
+
+from crossdraft import wire
+from crossdraft.errors import InvalidArgument
+from crossdraft.modelserver import Loading
+from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc
+
+DRAFT_TOKENS = Counter("crossdraft_drafter_tokens_total", "Draft tokens proposed")
+DRAFT_CALLS = Counter("crossdraft_drafter_draft_calls_total", "Draft RPCs")
+TOKEN_SECONDS = Histogram("crossdraft_drafter_token_seconds", "Drafter forward time per proposed token",
+                          buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+SYNCS = Counter("crossdraft_drafter_syncs_total", "Session syncs (full histories received)")
+
+
+def _edit(req):
+    if not req.HasField("edit"):
+        return None
+    return int(req.edit.keep), list(req.edit.append)
+
+
+def _expect(req):
+    return wire.expect_from_proto(req.expect) if req.HasField("expect") else None
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, state: Loading | None = None):
+        self.state = state or Loading()
+
+    def GetDrafterInfo(self, request, context):
+        return drafter_pb2.GetDrafterInfoResponse(info=wire.model_info_to_proto(self.state.get().info()))
+
+    def SetAllowedTokens(self, request, context):
+        w = self.state.get()
+        if request.vocab_size == 0:
+            raise InvalidArgument("vocab_size", "must be > 0")
+        mask = wire.unpack_mask(request.mask, request.vocab_size)
+        return drafter_pb2.SetAllowedTokensResponse(allowed_count=w.set_allowed(request.allowed_key, mask))
+
+    def SyncDrafterSession(self, request, context):
+        SYNCS.inc()
+        reused, exp = self.state.get().sync(request.session_id, request.token_ids)
+        return drafter_pb2.SyncDrafterSessionResponse(reused_tokens=reused, context=wire.expect_to_proto(exp))
+
+    def Draft(self, request, context):
+        w = self.state.get()
+        DRAFT_CALLS.inc()
+        params = wire.params_from_proto(request.params)
+        it = w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
+                          int(request.round_index), params, int(request.seed), float(request.stop_below),
+                          request.allowed_key)
+        return self._stream(it, context, int(request.num_draft_tokens))
+
+    def _stream(self, it, context, k: int):
+        t0 = time.perf_counter()
+        n = 0
+        total = 0.0
+        try:
+            for tok in it:
+                n += 1
+                total += tok.forward_s
+                DRAFT_TOKENS.inc()
+                TOKEN_SECONDS.observe(tok.forward_s)
+                msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3)
+                if tok.q_ids is not None:
+                    msg.q_token_ids.extend(tok.q_ids.tolist())
+                    msg.q_probs.extend(tok.q_probs.tolist())
+                yield drafter_pb2.DraftResponse(token=msg)
+                if not context.is_active():
+                    return
+        finally:
+            it.close()
+        yield drafter_pb2.DraftResponse(done=drafter_pb2.DraftDone(
+            num_tokens=n, forward_ms=total * 1e3, stop_reason="length" if n == k else "low_confidence"))
+
+    def Commit(self, request, context):
+        exp = self.state.get().commit(request.session_id, _edit(request), _expect(request))
+        return drafter_pb2.CommitResponse(context=wire.expect_to_proto(exp))
+
+    def EndDrafterSession(self, request, context):
+        return drafter_pb2.EndDrafterSessionResponse(existed=self.state.get().end(request.session_id))
+

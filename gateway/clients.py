@@ -1,0 +1,171 @@
+"""gRPC clients of the drafter and verifier services, shaped as the round loop's ports.
+
+They have the signatures of :class:`crossdraft.workers.DrafterWorker` / ``VerifierWorker`` so that
+:class:`crossdraft.decode.Decoder` runs the same code in process and here. gRPC failures become
+core errors: NOT_FOUND -> NotFound and FAILED_PRECONDITION -> FailedPrecondition (the loop
+re-syncs), INVALID_ARGUMENT -> InvalidArgument, anything else -> Unavailable.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from opentelemetry import trace
+
+from crossdraft import rpc, wire
+from crossdraft.engine import DraftToken
+from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from crossdraft.workers import VerifyReply
+
+import numpy as np
+
+
+def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
+    code = e.code() if hasattr(e, "code") else None
+    msg = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound("session_id", f"{who} {addr}: {msg}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(f"{who} {addr}: {msg}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, rest = (msg or "").partition(": ")
+        return InvalidArgument(field or who, rest or msg)
+    return Unavailable(f"{who} {addr} {code.name if code else 'error'}: {msg}")
+
+
+class _Remote:
+    who = "server"
+
+    def __init__(self, address: str, tracer=None, timeout_s: float = 60.0):
+        self.address = address
+        self.channel = rpc.client_channel(address)
+        self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
+        self.timeout_s = timeout_s
+        self._info = None
+        self._lock = threading.Lock()
+
+    def _call(self, name: str, fn, req, timeout_s=None):
+        with self.tracer.start_as_current_span(f"{self.service}/{name}", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("rpc.system", "grpc")
+            span.set_attribute("net.peer.name", self.address)
+            try:
+                return fn(req, timeout=timeout_s or self.timeout_s, metadata=rpc.traced_metadata())
+            except grpc.RpcError as e:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
+                raise _convert(e, self.who, self.address) from None
+
+    def info(self, refresh: bool = False) -> dict:
+        if self._info is None or refresh:
+            self._info = self._fetch_info()
+        return self._info
+
+    @property
+    def instance_id(self) -> str:
+        return self.info().get("instance_id", "")
+
+    def cost(self, head_rows: int | None = None) -> tuple[int, int, int]:
+        i = self.info()
+        return int(i["body_bytes"]), int(i["head_row_bytes"]), int(i["vocab_size"] if head_rows is None else head_rows)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteVerifier(_Remote):
+    who = "verifier"
+    service = "crossdraft.v1.VerifierService"
+
+    def __init__(self, address, tracer=None, timeout_s: float = 120.0):
+        super().__init__(address, tracer, timeout_s)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+
+    def _fetch_info(self) -> dict:
+        r = self._call("GetVerifierInfo", self.stub.GetVerifierInfo, verifier_pb2.GetVerifierInfoRequest(), 10)
+        return wire.model_info_from_proto(r.info)
+
+    def sync(self, sid, ids):
+        r = self._call("SyncVerifierSession", self.stub.SyncVerifierSession,
+                       verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids))
+        return r.reused_tokens, wire.expect_from_proto(r.context)
+
+    def verify(self, sid, expect, drafts, q_rows, round_index, params, seed) -> VerifyReply:
+        req = verifier_pb2.VerifyRequest(session_id=sid, draft_token_ids=drafts, round_index=round_index,
+                                         params=wire.params_to_proto(params), seed=seed)
+        if expect is not None:
+            req.expect.CopyFrom(wire.expect_to_proto(expect))
+        if q_rows:
+            for ids, probs in q_rows:
+                req.q.append(wire.sparse_to_proto(ids, probs))
+        r = self._call("Verify", self.stub.Verify, req)
+        return VerifyReply(r.num_accepted, r.next_token_id, list(r.accepted), r.forward_ms / 1e3,
+                           wire.expect_from_proto(r.context))
+
+    def end(self, sid) -> bool:
+        return self._call("EndVerifierSession", self.stub.EndVerifierSession,
+                          verifier_pb2.EndVerifierSessionRequest(session_id=sid), 10).existed
+
+
+class RemoteDrafter(_Remote):
+    who = "drafter"
+    service = "crossdraft.v1.DrafterService"
+
+    def __init__(self, address, tracer=None, timeout_s: float = 30.0):
+        super().__init__(address, tracer, timeout_s)
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+
+    def _fetch_info(self) -> dict:
+        r = self._call("GetDrafterInfo", self.stub.GetDrafterInfo, drafter_pb2.GetDrafterInfoRequest(), 10)
+        return wire.model_info_from_proto(r.info)
+
+    def set_allowed(self, key, mask) -> int:
+        mask = np.asarray(mask, dtype=bool)
+        r = self._call("SetAllowedTokens", self.stub.SetAllowedTokens,
+                       drafter_pb2.SetAllowedTokensRequest(allowed_key=key, vocab_size=len(mask), mask=wire.pack_mask(mask)))
+        return r.allowed_count
+
+    def sync(self, sid, ids):
+        r = self._call("SyncDrafterSession", self.stub.SyncDrafterSession,
+                       drafter_pb2.SyncDrafterSessionRequest(session_id=sid, token_ids=ids))
+        return r.reused_tokens, wire.expect_from_proto(r.context)
+
+    def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None):
+        req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
+                                       params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
+                                       allowed_key=allowed_key)
+        if edit is not None:
+            req.edit.keep = edit[0]
+            req.edit.append.extend(edit[1])
+        if expect is not None:
+            req.expect.CopyFrom(wire.expect_to_proto(expect))
+        toks: list[DraftToken] = []
+        with self.tracer.start_as_current_span(f"{self.service}/Draft", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("rpc.system", "grpc")
+            span.set_attribute("net.peer.name", self.address)
+            try:
+                stream = self.stub.Draft(req, timeout=timeout_s or self.timeout_s, metadata=rpc.traced_metadata())
+                for m in stream:
+                    if m.HasField("token"):
+                        t = m.token
+                        q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
+                        q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
+                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3))
+            except grpc.RpcError as e:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
+                raise _convert(e, self.who, self.address) from None
+            span.set_attribute("crossdraft.drafted", len(toks))
+        return toks
+
+    def commit(self, sid, edit, expect):
+        req = drafter_pb2.CommitRequest(session_id=sid)
+        if edit is not None:
+            req.edit.keep = edit[0]
+            req.edit.append.extend(edit[1])
+        if expect is not None:
+            req.expect.CopyFrom(wire.expect_to_proto(expect))
+        return wire.expect_from_proto(self._call("Commit", self.stub.Commit, req).context)
+
+    def end(self, sid) -> bool:
+        return self._call("EndDrafterSession", self.stub.EndDrafterSession,
+                          drafter_pb2.EndDrafterSessionRequest(session_id=sid), 10).existed

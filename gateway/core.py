@@ -1,0 +1,374 @@
+"""The gateway's core, shared by its REST and gRPC front ends: request validation, sessions,
+the round loop over the remote drafter/verifier, metrics, and one span per verification round."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from crossdraft.decode import Decoder, TokenPair
+from crossdraft.engine import DraftConfig
+from crossdraft.errors import CrossdraftError, InvalidArgument, Unavailable
+from crossdraft.sampling import SamplingParams
+
+from .sessions import Session, SessionStore, check_session_id
+
+log = logging.getLogger("crossdraft.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Configuration of the gateway (flags override CROSSDRAFT_* env vars)."""
+
+    verifier: str  # verifier address host:port
+    redis_url: str  # Redis URL for sessions
+    drafter: str | None = None  # drafter address host:port (None = target-only)
+    host: str = "0.0.0.0"  # bind address
+    http_port: int = 8000  # REST port (0 = pick a free one)
+    grpc_port: int = 50051  # gRPC port (0 = pick a free one)
+    target_tokenizer: str | None = None  # tokenizer of the target (default: the verifier's model name)
+    drafter_tokenizer: str | None = None  # tokenizer of the drafter (default: the drafter's model name)
+    session_ttl_s: float = 3600.0  # sessions expire after this long unused
+    drafter_timeout_s: float = 10.0  # deadline of one Draft call; past it the request goes on target-only
+    verifier_timeout_s: float = 120.0  # deadline of one Verify call
+    max_new_tokens_limit: int = 4096  # largest max_new_tokens accepted
+    default_max_new_tokens: int = 64  # when a request gives none
+    max_prompt_chars: int = 200_000  # longer prompts are rejected (HTTP 413 / INVALID_ARGUMENT)
+    connect_timeout_s: float = 900.0  # wait this long at start for drafter/verifier to become healthy
+    default_num_draft_tokens: int = 4  # initial block size
+
+
+OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+                 "num_draft_tokens", "adaptive_draft", "use_drafter")
+
+
+def _int(name, v, lo=None, hi=None):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidArgument(name, f"must be an integer, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise InvalidArgument(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise InvalidArgument(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _num(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidArgument(name, f"must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _bool(name, v):
+    if not isinstance(v, bool):
+        raise InvalidArgument(name, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def validate_options(opts: dict, cfg: GatewayConfig, names: dict | None = None) -> dict:
+    """Check generation options (None = unset); `names` maps option names to the caller's field names."""
+    names = names or {}
+    out = {}
+    for key, v in opts.items():
+        if v is None:
+            continue
+        name = names.get(key, key)
+        if key not in OPTION_FIELDS:
+            raise InvalidArgument(name, "unknown option")
+        if key == "max_new_tokens":
+            out[key] = _int(name, v, 1, cfg.max_new_tokens_limit)
+        elif key in ("temperature", "top_p", "repetition_penalty"):
+            out[key] = _num(name, v)
+        elif key == "top_k":
+            out[key] = _int(name, v, 0)
+        elif key == "seed":
+            out[key] = _int(name, v, 0, 2**63 - 1)
+        elif key == "num_draft_tokens":
+            out[key] = _int(name, v, 1, 64)
+        else:
+            out[key] = _bool(name, v)
+    sp = {k: out[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty") if k in out}
+    try:
+        SamplingParams(**sp)
+    except InvalidArgument as e:
+        raise InvalidArgument(names.get(e.field, e.field), str(e).split(": ", 1)[-1]) from None
+    return out
+
+
+def validate_messages(messages, field: str = "messages") -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument(field, "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidArgument(f"{field}[{i}]", "must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise InvalidArgument(f"{field}[{i}].role", f"must be system, user or assistant, got {role!r}")
+        if not isinstance(content, str):
+            raise InvalidArgument(f"{field}[{i}].content", "must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("crossdraft_requests_total", "Requests by API and outcome", ["api", "status"], registry=r)
+        self.tokens = Counter("crossdraft_completion_tokens_total", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("crossdraft_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.rounds = Counter("crossdraft_rounds_total", "Verification rounds", registry=r)
+        self.drafted = Counter("crossdraft_drafted_tokens_total", "Draft tokens verified", registry=r)
+        self.accepted = Counter("crossdraft_accepted_tokens_total", "Draft tokens accepted", registry=r)
+        self.pos_drafted = Counter("crossdraft_drafted_by_position_total", "Drafts verified at each block position", ["position"], registry=r)
+        self.pos_accepted = Counter("crossdraft_accepted_by_position_total", "Drafts accepted at each block position", ["position"], registry=r)
+        self.round_seconds = Histogram("crossdraft_round_seconds", "Round latency split by phase", ["phase"], registry=r,
+                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.fallbacks = Counter("crossdraft_drafter_fallbacks_total", "Requests that went on target-only", registry=r)
+        self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
+
+    def round(self, ev) -> None:
+        self.rounds.inc()
+        self.drafted.inc(ev.drafted)
+        self.accepted.inc(ev.accepted)
+        for i in range(ev.drafted):
+            self.pos_drafted.labels(str(i)).inc()
+            if i < ev.accepted:
+                self.pos_accepted.labels(str(i)).inc()
+        self.round_seconds.labels("draft").observe(ev.draft_s)
+        self.round_seconds.labels("verify").observe(ev.verify_s)
+        self.round_seconds.labels("overhead").observe(ev.overhead_s)
+
+
+def stats_dict(stats) -> dict:
+    d = stats.to_dict()
+    return {
+        "mode": d["mode"], "draft_mode": d["draft_mode"], "rounds": d["rounds"], "drafted": d["drafted"],
+        "accepted": d["accepted"], "acceptance_rate": d["acceptance_rate"],
+        "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
+        "skipped_rounds": d["skipped_rounds"], "drafter_fallback": d["drafter_fallback"],
+        "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
+        "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["other_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
+        "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
+    }
+
+
+def _add_stats(total: dict, s: dict) -> dict:
+    out = dict(total)
+    for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "prefill_ms", "draft_ms", "verify_ms",
+              "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
+        out[k] = out.get(k, 0) + s.get(k, 0)
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0
+    out["mode"], out["draft_mode"] = s["mode"], s["draft_mode"]
+    out["drafter_fallback"] = bool(total.get("drafter_fallback")) or s["drafter_fallback"]
+    out["fallback_reason"] = s["fallback_reason"] or total.get("fallback_reason", "")
+    return out
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, pair: TokenPair, verifier, drafter, store: SessionStore, *,
+                 tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0):
+        self.cfg = cfg
+        self.pair = pair
+        self.verifier = verifier
+        self.drafter = drafter
+        self.store = store
+        self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
+        self.metrics = metrics or Metrics()
+        self.decoder = Decoder(pair, verifier, drafter, eos_ids=eos_ids, max_context=max_context, check_context=True,
+                               drafter_timeout_s=cfg.drafter_timeout_s)
+        self.model_name = verifier.info().get("model_name", "target")
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def create_session(self, options: dict, session_id: str | None = None, names=None) -> Session:
+        opts = validate_options(options, self.cfg, names)
+        opts.setdefault("seed", random.getrandbits(62))
+        return self.store.create(opts, session_id)
+
+    def get_session(self, sid: str) -> Session:
+        return self.store.get(sid)
+
+    def delete_session(self, sid: str) -> bool:
+        existed = self.store.delete(sid)
+        for port in (self.verifier, self.drafter):
+            if port is not None:
+                with contextlib.suppress(Exception):
+                    port.end(sid)
+        return existed
+
+    # ---- generation --------------------------------------------------------------------------
+    def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
+              api: str = "grpc", names: dict | None = None) -> "Job":
+        """Validate and prepare a request (errors raise here, before any output)."""
+        names = names or {}
+        if session_id:
+            check_session_id(session_id)
+        if (prompt is None) == (messages is None):
+            raise InvalidArgument(names.get("prompt", "prompt"), "give exactly one of prompt or messages")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidArgument(names.get("prompt", "prompt"), "must be a string")
+            if len(prompt) > self.cfg.max_prompt_chars:
+                raise InvalidArgument(names.get("prompt", "prompt"), f"is longer than {self.cfg.max_prompt_chars} characters")
+        if messages is not None:
+            messages = validate_messages(messages, names.get("messages", "messages"))
+            if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
+                raise InvalidArgument(names.get("messages", "messages"), f"are longer than {self.cfg.max_prompt_chars} characters")
+        opts = validate_options(options, self.cfg, names)
+        session = None
+        lease = None
+        if session_id:
+            session = self.store.get(session_id)
+            lease = self.store.acquire(session_id)
+        try:
+            return Job(self, session, lease, prompt, messages, opts, api, names)
+        except BaseException:
+            if lease:
+                self.store.release(session_id, lease)
+            raise
+
+
+class Job:
+    """One prepared request; iterate :meth:`events` for {"type": "delta" | "done", ...} dicts."""
+
+    def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names):
+        self.gw, self.session, self.lease, self.api = gw, session, lease, api
+        pair = gw.pair
+        merged = dict(session.options) if session else {}
+        merged.update(opts)
+        self.opts = merged
+        self.max_new_tokens = merged.get("max_new_tokens", gw.cfg.default_max_new_tokens)
+        self.params = SamplingParams(temperature=merged.get("temperature", 0.0), top_k=merged.get("top_k", 0),
+                                     top_p=merged.get("top_p", 1.0), repetition_penalty=merged.get("repetition_penalty", 1.0))
+        self.seed = merged.get("seed", 0 if self.params.greedy else random.getrandbits(62))
+        k = merged.get("num_draft_tokens", gw.cfg.default_num_draft_tokens)
+        self.draft = DraftConfig(num_draft_tokens=k, adaptive=merged.get("adaptive_draft", True),
+                                 max_draft_tokens=max(10, k))
+        self.use_drafter = merged.get("use_drafter", True) and gw.drafter is not None
+        self.messages = None
+        kind = "chat" if messages is not None else "text"
+        if session is not None and session.kind and session.kind != kind:
+            raise InvalidArgument(names.get("prompt" if kind == "text" else "messages", kind),
+                                  f"session {session.session_id!r} is a {session.kind} session")
+        self.kind = kind
+        has_d = pair.drafter_tok is not None
+        if kind == "chat":
+            self.messages = (session.messages if session else []) + messages
+            t_ids, d_ids = pair.chat_ids(self.messages)
+        elif session is not None and session.target_ids:
+            t_ids = session.target_ids + list(pair.target_tok(prompt, add_special_tokens=False)["input_ids"])
+            d_ids = (session.drafter_ids + list(pair.drafter_tok(prompt, add_special_tokens=False)["input_ids"])
+                     if has_d and session.drafter_ids else (pair.encode_drafter(pair.target_tok.decode(t_ids)) if has_d else None))
+        else:
+            if not prompt:
+                raise InvalidArgument(names.get("prompt", "prompt"), "must not be empty")
+            t_ids = pair.encode_target(prompt)
+            d_ids = pair.encode_drafter(prompt) if has_d else None
+        if not t_ids:
+            raise InvalidArgument(names.get("prompt", "prompt"), "is empty after tokenisation")
+        self.prompt_text = prompt
+        self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
+        self.run = gw.decoder.run(self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params,
+                                  seed=self.seed, draft=self.draft, round_start=session.round_index if session else 0,
+                                  use_drafter=self.use_drafter, round_scope=self._round_scope)
+        self.prompt_tokens = len(t_ids)
+
+    def _round_scope(self, round_index):
+        gw = self.gw
+
+        @contextlib.contextmanager
+        def scope():
+            with gw.tracer.start_as_current_span("crossdraft.verify_round") as span:
+                span.set_attribute("crossdraft.round.index", round_index)
+
+                def record(ev):
+                    span.set_attribute("crossdraft.round.draft_tokens_requested", ev.requested)
+                    span.set_attribute("crossdraft.round.drafted", ev.drafted)
+                    span.set_attribute("crossdraft.round.accepted", ev.accepted)
+                    span.set_attribute("crossdraft.round.emitted", len(ev.emitted))
+                    span.set_attribute("crossdraft.round.draft_ms", ev.draft_s * 1e3)
+                    span.set_attribute("crossdraft.round.verify_ms", ev.verify_s * 1e3)
+                    span.set_attribute("crossdraft.round.overhead_ms", ev.overhead_s * 1e3)
+                    gw.metrics.round(ev)
+
+                yield record
+
+        return scope()
+
+    def events(self, ctx=None):
+        """Generator of event dicts; runs the rounds. `ctx`: OTel context to run under (REST)."""
+        gw = self.gw
+        gw.metrics.active.inc()
+        status = "error"
+        try:
+            it = self.run
+            while True:
+                token = otel_context.attach(ctx) if ctx is not None else None
+                try:
+                    ev = next(it, None)
+                finally:
+                    if token is not None:
+                        otel_context.detach(token)
+                if ev is None:
+                    break
+                if self.session is not None:
+                    s = self.session
+                    s.target_ids, s.round_index = ev.target_ids, ev.round_index + 1
+                    if ev.drafter_ids is not None:
+                        s.drafter_ids = ev.drafter_ids
+                    s.drafter_instance = gw.drafter.instance_id if self.use_drafter and gw.drafter is not None else ""
+                    s.verifier_instance = gw.verifier.instance_id
+                    if not ev.done:
+                        gw.store.save(s)  # one SET per round: a crash leaves the last whole round
+                if ev.text or ev.emitted:
+                    yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted)}
+            res = self.run.result
+            st = stats_dict(res.stats)
+            if res.stats.drafter_fallback:
+                gw.metrics.fallbacks.inc()
+            gw.metrics.tokens.inc(len(res.token_ids))
+            gw.metrics.prompt_tokens.inc(self.prompt_tokens)
+            if self.session is not None:
+                s = self.session
+                s.kind = self.kind
+                s.turns += 1
+                if self.kind == "chat":
+                    s.messages = self.messages + [{"role": "assistant", "content": res.text}]
+                else:
+                    s.text += (self.prompt_text or "") + res.text
+                s.stats = _add_stats(s.stats, st)
+                gw.store.save(s)
+            status = "ok"
+            yield {"type": "done", "session_id": self.session.session_id if self.session else "",
+                   "finish_reason": res.stats.finish_reason, "text": res.text,
+                   "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(res.token_ids),
+                             "total_tokens": self.prompt_tokens + len(res.token_ids)},
+                   "stats": st}
+        except CrossdraftError:
+            status = "error"
+            raise
+        finally:
+            gw.metrics.active.dec()
+            gw.metrics.requests.labels(self.api, status).inc()
+            self.close()
+
+    def close(self) -> None:
+        if self.lease and self.session is not None:
+            self.gw.store.release(self.session.session_id, self.lease)
+            self.lease = None
+        if self.session is None and self.sid:
+            sid, self.sid = self.sid, None
+            for port in (self.gw.verifier, self.gw.drafter):
+                if port is not None:
+                    with contextlib.suppress(Exception):
+                        port.end(sid)
+
+
+__all__ = ["Gateway", "GatewayConfig", "Job", "Metrics", "Unavailable", "validate_options"]

@@ -1,0 +1,290 @@
+"""REST front end (OpenAI-compatible): /v1/completions, /v1/chat/completions (SSE with
+"stream": true), /v1/models, /v1/vocab, /v1/sessions, /healthz, /readyz, /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from crossdraft.errors import CrossdraftError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+
+from .core import OPTION_FIELDS
+
+MAX_BODY_BYTES = 4 << 20
+# REST field -> gateway option
+REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+                "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed",
+                "num_draft_tokens": "num_draft_tokens", "adaptive_draft": "adaptive_draft", "use_drafter": "use_drafter"}
+# accepted for compatibility; only their neutral values are allowed
+NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
+           "echo": (False,), "best_of": (1,), "stop": (None, [], ""), "user": None, "model": None,
+           "stream_options": None, "suffix": (None, "")}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    status, etype, param = 500, "server_error", None
+    msg = str(exc)
+    if isinstance(exc, InvalidArgument):
+        status, etype, param = 400, "invalid_request_error", exc.field
+        if "longer than" in msg:
+            status = 413
+    elif isinstance(exc, NotFound):
+        status, etype, param = 404, "not_found_error", exc.what
+    elif isinstance(exc, FailedPrecondition):
+        status, etype = 409, "conflict_error"
+    elif isinstance(exc, ResourceExhausted):
+        status, etype = 429, "rate_limit_error"
+    elif isinstance(exc, Unavailable):
+        status, etype = 503, "service_unavailable"
+    elif not isinstance(exc, CrossdraftError):
+        msg = f"internal error ({type(exc).__name__})"
+    return JSONResponse({"error": {"message": msg, "type": etype, "param": param, "code": status}}, status_code=status)
+
+
+async def _json_body(request: Request) -> dict:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise InvalidArgument("body", f"is longer than {MAX_BODY_BYTES} bytes")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgument("body", f"is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument("body", f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return data
+
+
+def _split(data: dict, input_field: str) -> tuple[dict, dict]:
+    opts, extra = {}, {}
+    for k, v in data.items():
+        if k in REST_OPTIONS:
+            opts[REST_OPTIONS[k]] = v
+        elif k in (input_field, "stream", "session_id"):
+            extra[k] = v
+        elif k in NEUTRAL:
+            allowed = NEUTRAL[k]
+            if allowed is not None and v not in allowed:
+                raise InvalidArgument(k, f"is not supported (only {allowed[0]!r})")
+        else:
+            raise InvalidArgument(k, "unknown field")
+    if "stream" in extra and not isinstance(extra["stream"], bool):
+        raise InvalidArgument("stream", "must be a boolean")
+    sid = extra.get("session_id")
+    if sid is not None and not isinstance(sid, str):
+        raise InvalidArgument("session_id", "must be a string")
+    return opts, extra
+
+
+NAMES = {v: k for k, v in REST_OPTIONS.items() if k != "max_completion_tokens"}
+
+
+def build_app(gw_ref, tracer=None) -> Starlette:
+    """gw_ref(): the Gateway, or None while it is starting (readyz then says 503)."""
+    tracer = tracer or trace.get_tracer("crossdraft.gateway")
+
+    def gw():
+        g = gw_ref()
+        if g is None:
+            raise Unavailable("the gateway is starting")
+        return g
+
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool):
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        span = tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER)
+        ctx = trace.set_span_in_context(span)
+        g = None
+        try:
+            g = gw()
+            data = await _json_body(request)
+            field = "messages" if chat else "prompt"
+            opts, extra = _split(data, field)
+            if field not in extra:
+                raise InvalidArgument(field, "is required")
+            value = extra[field]
+            if not chat and not isinstance(value, str):
+                raise InvalidArgument("prompt", "must be a string")
+            names = dict(NAMES, prompt="prompt", messages="messages")
+            job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
+                          messages=value if chat else None, options=opts, api="rest", names=names)
+        except Exception as e:
+            if g is not None:
+                g.metrics.requests.labels("rest", "rejected").inc()
+            span.record_exception(e)
+            span.end()
+            return error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        model = g.model_name
+        if extra.get("stream"):
+            return StreamingResponse(_sse(job, ctx, span, rid, created, model, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        import anyio
+
+        def run_all():
+            try:
+                return list(job.events(ctx))
+            finally:
+                span.end()
+
+        try:
+            events = await anyio.to_thread.run_sync(run_all)
+        except Exception as e:
+            return error_response(e)
+        done = events[-1]
+        return JSONResponse(_final(done, rid, created, model, chat))
+
+    def _final(done, rid, created, model, chat):
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
+                      "finish_reason": done["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"], "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model, "choices": [choice], "usage": done["usage"], "speculative": done["stats"],
+                "session_id": done["session_id"] or None}
+
+    def _sse(job, ctx, span, rid, created, model, chat):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text, finish=None, extra=None, first=False):
+            if chat:
+                delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
+                if first and delta_text:
+                    delta = {"role": "assistant", "content": delta_text}
+                c = {"index": 0, "delta": delta if finish is None else {}, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
+            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+            if extra:
+                d.update(extra)
+            return f"data: {json.dumps(d)}\n\n"
+
+        try:
+            first = True
+            for ev in job.events(ctx):
+                if ev["type"] == "delta":
+                    if ev["text"] or first:
+                        yield chunk(ev["text"], first=first)
+                        first = False
+                else:
+                    yield chunk("", finish=ev["finish_reason"],
+                                extra={"usage": ev["usage"], "speculative": ev["stats"], "session_id": ev["session_id"] or None})
+            yield "data: [DONE]\n\n"
+        except Exception as e:
+            err = json.loads(error_response(e).body)
+            yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            job.close()
+            span.end()
+
+    async def models(request: Request):
+        try:
+            g = gw()
+        except Exception as e:
+            return error_response(e)
+        d = {"id": g.model_name, "object": "model", "created": 0, "owned_by": "crossdraft",
+             "drafter": g.drafter.info().get("model_name") if g.drafter is not None else None}
+        return JSONResponse({"object": "list", "data": [d]})
+
+    async def vocab(request: Request):
+        try:
+            g = gw()
+        except Exception as e:
+            return error_response(e)
+        pair = g.pair
+        if pair.mapping is None:
+            return JSONResponse({"drafter": None, "message": "no drafter: target-only"})
+        st = pair.mapping.stats()
+        st.update({"drafter_allowed_tli": int(pair.allowed.sum()), "drafter_allowed_text": int(pair.allowed_text.sum()),
+                   "same_vocabulary": bool(pair.same_vocab), "target_vocab_size": pair.vt, "drafter_vocab_size": pair.vd})
+        return JSONResponse(json.loads(json.dumps(st, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
+
+    async def create_session(request: Request):
+        try:
+            g = gw()
+            data = await _json_body(request) if (await request.body()) else {}
+            sid = data.pop("session_id", None)
+            if sid is not None and not isinstance(sid, str):
+                raise InvalidArgument("session_id", "must be a string")
+            opts = {}
+            for k, v in data.items():
+                if k not in REST_OPTIONS:
+                    raise InvalidArgument(k, "unknown field")
+                opts[REST_OPTIONS[k]] = v
+            s = g.create_session(opts, sid, names=NAMES)
+            return JSONResponse(_session_json(s), status_code=201)
+        except Exception as e:
+            return error_response(e)
+
+    def _session_json(s):
+        return {"session_id": s.session_id, "turns": s.turns, "target_tokens": len(s.target_ids),
+                "drafter_tokens": len(s.drafter_ids), "options": {NAMES.get(k, k): v for k, v in s.options.items()},
+                "stats": s.stats, "drafter_instance": s.drafter_instance, "verifier_instance": s.verifier_instance,
+                "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
+
+    async def get_session(request: Request):
+        try:
+            return JSONResponse(_session_json(gw().get_session(request.path_params["sid"])))
+        except Exception as e:
+            return error_response(e)
+
+    async def delete_session(request: Request):
+        try:
+            existed = gw().delete_session(request.path_params["sid"])
+            if not existed:
+                raise NotFound("session_id", f"no session {request.path_params['sid']!r}")
+            return JSONResponse({"session_id": request.path_params["sid"], "deleted": True})
+        except Exception as e:
+            return error_response(e)
+
+    async def healthz(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request):
+        g = gw_ref()
+        if g is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        if not g.store.ping():
+            return JSONResponse({"status": "unavailable", "reason": "Redis is unreachable"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(request: Request):
+        g = gw_ref()
+        if g is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(g.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/vocab", vocab, methods=["GET"]),
+        Route("/v1/sessions", create_session, methods=["POST"]),
+        Route("/v1/sessions/{sid}", get_session, methods=["GET"]),
+        Route("/v1/sessions/{sid}", delete_session, methods=["DELETE"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+__all__ = ["build_app", "OPTION_FIELDS"]

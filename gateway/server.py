@@ -1,0 +1,177 @@
+"""Wiring of the gateway: config -> clients, tokenizers, mapping, Redis -> gRPC + REST servers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+
+from crossdraft.errors import CrossdraftError, InvalidArgument
+
+from .core import GatewayConfig
+
+SERVICE_NAME = "crossdraft.v1.GatewayService"
+log = logging.getLogger("crossdraft.gateway")
+
+
+def _env(name, default):
+    return os.environ.get(f"CROSSDRAFT_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="crossdraft gateway: REST + gRPC front door")
+    p.add_argument("--verifier", default=_env("VERIFIER", None), help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
+    p.add_argument("--drafter", default=_env("DRAFTER", None), help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="Redis URL for sessions (env REDIS_URL)")
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
+    p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", 8000)))
+    p.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", 50051)))
+    p.add_argument("--target-tokenizer", default=_env("TARGET_TOKENIZER", None), help="default: the verifier's model")
+    p.add_argument("--drafter-tokenizer", default=_env("DRAFTER_TOKENIZER", None), help="default: the drafter's model")
+    p.add_argument("--session-ttl-s", type=float, default=float(_env("SESSION_TTL_S", 3600)))
+    p.add_argument("--drafter-timeout-s", type=float, default=float(_env("DRAFTER_TIMEOUT_S", 10)))
+    p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
+    p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
+    return p
+
+
+def config_from_args(a) -> GatewayConfig:
+    if not a.verifier:
+        raise InvalidArgument("verifier", "is required (--verifier or CROSSDRAFT_VERIFIER)")
+    if not a.redis_url:
+        raise InvalidArgument("redis_url", "is required (--redis-url or REDIS_URL)")
+    for name in ("http_port", "grpc_port"):
+        v = getattr(a, name)
+        if not 0 <= v < 65536:
+            raise InvalidArgument(name, f"must be in [0, 65535], got {v}")
+    return GatewayConfig(verifier=a.verifier, drafter=a.drafter or None, redis_url=a.redis_url, host=a.host,
+                         http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
+                         drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
+                         drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
+                         max_new_tokens_limit=a.max_new_tokens_limit)
+
+
+def build_gateway(cfg: GatewayConfig, tracer=None, exporter_provider=None):
+    """Connect to the model servers, load tokenizers, build the mapping: a ready Gateway."""
+    from crossdraft import rpc
+    from crossdraft.decode import TokenPair
+    from crossdraft.models import load_tokenizer
+
+    from .clients import RemoteDrafter, RemoteVerifier
+    from .core import Gateway
+    from .sessions import SessionStore
+
+    if not rpc.wait_healthy(cfg.verifier, cfg.connect_timeout_s):
+        raise CrossdraftError(f"verifier {cfg.verifier} did not become healthy within {cfg.connect_timeout_s} s")
+    verifier = RemoteVerifier(cfg.verifier, tracer, timeout_s=cfg.verifier_timeout_s)
+    vinfo = verifier.info()
+    drafter = None
+    dinfo = None
+    if cfg.drafter:
+        if not rpc.wait_healthy(cfg.drafter, cfg.connect_timeout_s):
+            raise CrossdraftError(f"drafter {cfg.drafter} did not become healthy within {cfg.connect_timeout_s} s")
+        drafter = RemoteDrafter(cfg.drafter, tracer, timeout_s=cfg.drafter_timeout_s)
+        dinfo = drafter.info()
+    t_tok = load_tokenizer(cfg.target_tokenizer or vinfo["model_name"], progress=False)
+    d_tok = load_tokenizer(cfg.drafter_tokenizer or dinfo["model_name"], progress=False) if drafter else None
+    _check_digest(t_tok, vinfo, "target")
+    if drafter:
+        _check_digest(d_tok, dinfo, "drafter")
+    pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
+    store = SessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
+    return Gateway(cfg, pair, verifier, drafter, store, tracer=tracer, eos_ids=_eos(t_tok, vinfo),
+                   max_context=vinfo["max_context_tokens"])
+
+
+def _eos(tok, info) -> set[int]:
+    eos = set(info["eos_token_ids"])
+    return eos
+
+
+def _check_digest(tok, info, who: str) -> None:
+    import hashlib
+
+    from crossdraft.vocab import token_bytes
+
+    h = hashlib.sha256()
+    for b in token_bytes(tok):
+        h.update(b"\x00" if b is None else len(b).to_bytes(2, "little") + b)
+    if info["tokenizer_digest"] and h.hexdigest() != info["tokenizer_digest"]:
+        raise CrossdraftError(f"the {who} tokenizer differs from the one the {who} server uses ({info['model_name']}); "
+                              f"pass --{who}-tokenizer")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except CrossdraftError as e:
+        print(f"gateway: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s gateway %(levelname)s %(message)s")
+    import uvicorn
+
+    from crossdraft import rpc, telemetry
+    from crossdraft.v1 import gateway_pb2_grpc
+
+    from .rest import build_app
+    from .service import GatewayServicer
+
+    provider = telemetry.setup_tracing("crossdraft-gateway")
+    tracer = telemetry.get_tracer(provider, "crossdraft.gateway")
+    holder: dict = {"gw": None}
+    servicer_box: dict = {}
+
+    class LazyServicer(gateway_pb2_grpc.GatewayServiceServicer):
+        def __getattribute__(self, name):
+            if name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
+                svc = servicer_box.get("svc")
+                if svc is None:
+                    from crossdraft.errors import Unavailable
+
+                    def unavailable(request, context):
+                        raise Unavailable("the gateway is starting")
+                    return unavailable
+                return getattr(svc, name)
+            return object.__getattribute__(self, name)
+
+    server, gport, health = rpc.build_server(
+        [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(LazyServicer(), s)], [SERVICE_NAME],
+        cfg.host, cfg.grpc_port, tracer=tracer)
+    server.start()
+    app = build_app(lambda: holder["gw"], tracer)
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off")
+    userver = uvicorn.Server(ucfg)
+    status = {"rc": 0}
+
+    def init():
+        try:
+            gw = build_gateway(cfg, tracer)
+            holder["gw"] = gw
+            servicer_box["svc"] = GatewayServicer(gw)
+            rpc.set_serving(health, ["", SERVICE_NAME], True)
+            print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
+                  f"{gw.drafter.info()['model_name'] if gw.drafter else 'none'}); REST http://{cfg.host}:{cfg.http_port}/v1, "
+                  f"gRPC {cfg.host}:{gport}", flush=True)
+        except Exception as e:
+            log.error("gateway failed to start: %s: %s", type(e).__name__, e)
+            status["rc"] = 1
+            userver.should_exit = True
+
+    print(f"crossdraft gateway: gRPC on {cfg.host}:{gport}, REST on {cfg.host}:{cfg.http_port} (connecting...)", flush=True)
+    threading.Thread(target=init, daemon=True).start()
+    userver.run()
+    rpc.set_serving(health, ["", SERVICE_NAME], False)
+    server.stop(5).wait()
+    try:
+        provider.shutdown()
+    except Exception:
+        pass
+    return status["rc"]
+
+
+__all__ = ["build_gateway", "main"]

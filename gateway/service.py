@@ -1,0 +1,63 @@
+"""GatewayService servicer (public gRPC API)."""
+
+from __future__ import annotations
+
+from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
+
+from .core import OPTION_FIELDS, Gateway
+
+
+def options_from_proto(m) -> dict:
+    return {f: getattr(m, f) for f in OPTION_FIELDS if m.HasField(f)}
+
+
+def options_to_proto(d: dict) -> gateway_pb2.GenerationOptions:
+    return gateway_pb2.GenerationOptions(**{k: v for k, v in d.items() if k in OPTION_FIELDS})
+
+
+def stats_to_proto(d: dict) -> gateway_pb2.SpeculativeStats:
+    fields = gateway_pb2.SpeculativeStats.DESCRIPTOR.fields_by_name
+    return gateway_pb2.SpeculativeStats(**{k: v for k, v in d.items() if k in fields})
+
+
+def session_to_proto(s) -> gateway_pb2.SessionInfo:
+    return gateway_pb2.SessionInfo(
+        session_id=s.session_id, turns=s.turns, target_tokens=len(s.target_ids), drafter_tokens=len(s.drafter_ids),
+        options=options_to_proto(s.options), stats=stats_to_proto(s.stats), drafter_instance=s.drafter_instance,
+        verifier_instance=s.verifier_instance, created_unix_s=s.created_unix_s, updated_unix_s=s.updated_unix_s,
+        messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in s.messages], text=s.text)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    def Generate(self, request, context):
+        messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+        prompt = request.prompt if (request.prompt or not messages) else None
+        job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
+                            options=options_from_proto(request.options), api="grpc")
+        return self._stream(job)
+
+    def _stream(self, job):
+        try:
+            for ev in job.events():
+                if ev["type"] == "delta":
+                    yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"]))
+                else:
+                    yield gateway_pb2.GenerateResponse(done=gateway_pb2.GenerateDone(
+                        session_id=ev["session_id"], finish_reason=ev["finish_reason"], text=ev["text"],
+                        usage=gateway_pb2.Usage(**ev["usage"]), stats=stats_to_proto(ev["stats"])))
+        finally:
+            job.close()
+
+    def CreateSession(self, request, context):
+        opts = options_from_proto(request.options) if request.HasField("options") else {}
+        s = self.gw.create_session(opts, request.session_id or None)
+        return gateway_pb2.CreateSessionResponse(session_id=s.session_id)
+
+    def GetSession(self, request, context):
+        return gateway_pb2.GetSessionResponse(session=session_to_proto(self.gw.get_session(request.session_id)))
+
+    def DeleteSession(self, request, context):
+        return gateway_pb2.DeleteSessionResponse(existed=self.gw.delete_session(request.session_id))

@@ -1,0 +1,114 @@
+"""Sessions in Redis: one JSON document per session (written whole, so every update is atomic)
+plus a short lease that keeps two requests from running one session at the same time.
+
+Redis errors become :class:`Unavailable` (HTTP 503 / gRPC UNAVAILABLE); nothing is half-written
+because each write is a single SET of the whole document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+@dataclass
+class Session:
+    session_id: str
+    created_unix_s: float
+    updated_unix_s: float
+    options: dict = field(default_factory=dict)  # defaults for this session's requests
+    kind: str = ""  # "" (nothing generated yet) | "text" | "chat"
+    turns: int = 0
+    target_ids: list[int] = field(default_factory=list)
+    drafter_ids: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    text: str = ""
+    round_index: int = 0  # rounds run so far: random draws of later turns never repeat earlier ones
+    stats: dict = field(default_factory=dict)  # totals over the session's requests
+    drafter_instance: str = ""
+    verifier_instance: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "Session":
+        d = json.loads(s)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def check_session_id(sid) -> str:
+    if not isinstance(sid, str) or not SESSION_ID_RE.match(sid):
+        raise InvalidArgument("session_id", "must be 1-64 characters of letters, digits, '-' or '_'")
+    return sid
+
+
+class SessionStore:
+    def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "crossdraft:", lease_s: float = 600.0):
+        self.url = url
+        self.ttl_ms = int(ttl_s * 1000)
+        self.lease_ms = int(lease_s * 1000)
+        self.prefix = prefix
+        self.r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+    def _key(self, sid: str) -> str:
+        return f"{self.prefix}session:{sid}"
+
+    def _do(self, fn, *args):
+        try:
+            return fn(*args)
+        except redis.RedisError as e:
+            raise Unavailable(f"session store (Redis at {self.url}) unavailable: {type(e).__name__}: {e}") from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.r.ping())
+        except redis.RedisError:
+            return False
+
+    def create(self, options: dict, session_id: str | None = None) -> Session:
+        sid = check_session_id(session_id) if session_id else uuid.uuid4().hex
+        now = time.time()
+        s = Session(sid, now, now, options=options)
+        ok = self._do(lambda: self.r.set(self._key(sid), s.to_json(), px=self.ttl_ms, nx=True))
+        if not ok:
+            raise FailedPrecondition(f"session_id: session {sid!r} already exists")
+        return s
+
+    def get(self, sid: str) -> Session:
+        check_session_id(sid)
+        raw = self._do(self.r.get, self._key(sid))
+        if raw is None:
+            raise NotFound("session_id", f"no session {sid!r} (never created, deleted, or expired)")
+        return Session.from_json(raw)
+
+    def save(self, s: Session) -> None:
+        s.updated_unix_s = time.time()
+        self._do(lambda: self.r.set(self._key(s.session_id), s.to_json(), px=self.ttl_ms))
+
+    def delete(self, sid: str) -> bool:
+        check_session_id(sid)
+        return bool(self._do(self.r.delete, self._key(sid)))
+
+    def acquire(self, sid: str) -> str:
+        token = uuid.uuid4().hex
+        ok = self._do(lambda: self.r.set(f"{self._key(sid)}:lease", token, px=self.lease_ms, nx=True))
+        if not ok:
+            raise FailedPrecondition(f"session_id: session {sid!r} is busy with another request")
+        return token
+
+    def release(self, sid: str, token: str) -> None:
+        try:
+            self.r.eval(_RELEASE, 1, f"{self._key(sid)}:lease", token)
+        except redis.RedisError:
+            pass  # the lease expires by itself
