@@ -87,7 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark target-only vs HF assisted generation vs crossdraft")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py (see --help there)")
+    for name, what in (("drafter", "run the drafter service (gRPC); see `crossdraft drafter --help`"),
+                       ("verifier", "run the verifier service (gRPC); see `crossdraft verifier --help`"),
+                       ("gateway", "run the gateway (REST + gRPC); see `crossdraft gateway --help`")):
+        sp = sub.add_parser(name, help=what, add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    from . import up
+
+    u = sub.add_parser("up", help="run the whole stack on localhost: Redis, drafter, verifier, gateway")
+    up.add_arguments(u)
     return ap
+
+
+def cmd_service(a) -> int:
+    import importlib
+
+    return importlib.import_module(f"{a.cmd}.server").main(a.rest)
+
+
+def cmd_up(a) -> int:
+    from . import up
+
+    return up.main(a)
 
 
 def _sampling_from_args(a):
@@ -197,10 +218,15 @@ def cmd_bench(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("drafter", "verifier", "gateway"):  # the service parses its own flags
+        return cmd_service(argparse.Namespace(cmd=argv[0], rest=argv[1:]))
     ap = build_parser()
     a = ap.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "models": cmd_models, "vocab": cmd_vocab, "bench": cmd_bench}[a.cmd](a)
+        cmds = {"generate": cmd_generate, "models": cmd_models, "vocab": cmd_vocab, "bench": cmd_bench, "up": cmd_up,
+                "drafter": cmd_service, "verifier": cmd_service, "gateway": cmd_service}
+        return cmds[a.cmd](a)
     except CrossdraftError as e:
         print(f"crossdraft: error: {e}", file=sys.stderr)
         return 2

@@ -158,7 +158,8 @@ class _Worker:
     def info(self) -> dict:
         body, row, rows = self.cost()
         return dict(
-            model_name=self.loaded.name, vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
+            model_name=self.loaded.name if getattr(self.loaded, "kind", "") == "catalog" else str(getattr(self.loaded, "path", self.loaded.name)),
+            vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id,

@@ -1,0 +1,102 @@
+"""A small Python client for the gateway's gRPC API (crossdraft.v1.GatewayService).
+
+    from crossdraft.client import Client
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("def add(a, b):", max_new_tokens=32).text)
+        for piece in c.stream("def fib(n):", max_new_tokens=64):
+            print(piece, end="", flush=True)
+        sid = c.create_session(temperature=0.7, seed=1)
+        c.generate(messages=[{"role": "user", "content": "Hi"}], session_id=sid)
+
+gRPC errors surface as :class:`grpc.RpcError` (INVALID_ARGUMENT names the bad field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from .v1 import gateway_pb2, gateway_pb2_grpc
+
+_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "num_draft_tokens",
+            "adaptive_draft", "use_drafter")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    session_id: str
+    usage: dict
+    stats: dict = field(default_factory=dict)
+
+
+def _opts(kw: dict) -> gateway_pb2.GenerationOptions:
+    bad = set(kw) - set(_OPTIONS)
+    if bad:
+        raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
+    return gateway_pb2.GenerationOptions(**{k: v for k, v in kw.items() if v is not None})
+
+
+def _msg_to_dict(m) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+class Client:
+    def __init__(self, address: str, *, timeout_s: float = 600.0, channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _request(self, prompt, messages, session_id, options) -> gateway_pb2.GenerateRequest:
+        req = gateway_pb2.GenerateRequest(session_id=session_id or "", options=_opts(options))
+        if prompt is not None:
+            req.prompt = prompt
+        for m in messages or []:
+            req.messages.append(gateway_pb2.ChatMessage(role=m["role"], content=m["content"]))
+        return req
+
+    def events(self, prompt: str | None = None, *, messages: list[dict] | None = None, session_id: str | None = None,
+               **options):
+        """Raw GenerateResponse messages (text deltas, then one done)."""
+        yield from self.stub.Generate(self._request(prompt, messages, session_id, options), timeout=self.timeout_s)
+
+    def stream(self, prompt: str | None = None, **kw):
+        """Yield text pieces as they are generated."""
+        for m in self.events(prompt, **kw):
+            if m.HasField("delta") and m.delta.text:
+                yield m.delta.text
+
+    def generate(self, prompt: str | None = None, **kw) -> Completion:
+        ids: list[int] = []
+        for m in self.events(prompt, **kw):
+            if m.HasField("delta"):
+                ids.extend(m.delta.token_ids)
+            else:
+                d = m.done
+                return Completion(d.text, ids, d.finish_reason, d.session_id, _msg_to_dict(d.usage), _msg_to_dict(d.stats))
+        raise RuntimeError("the stream ended without a final message")
+
+    def create_session(self, session_id: str | None = None, **options) -> str:
+        r = self.stub.CreateSession(gateway_pb2.CreateSessionRequest(session_id=session_id or "", options=_opts(options)),
+                                    timeout=30)
+        return r.session_id
+
+    def get_session(self, session_id: str) -> dict:
+        return _msg_to_dict(self.stub.GetSession(gateway_pb2.GetSessionRequest(session_id=session_id), timeout=30).session)
+
+    def delete_session(self, session_id: str) -> bool:
+        return self.stub.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=session_id), timeout=30).existed

@@ -1,0 +1,126 @@
+"""Helpers for service tests: tiny random models saved as real HF directories, free ports, and
+real server processes (python -m drafter / verifier / gateway) started and stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def save_tiny_pair(out: Path) -> tuple[Path, Path]:
+    """A qwen2-style target (byte-level BPE) and a llama-style drafter (SentencePiece-like) on disk."""
+    from tests.tiny_models import tiny_lm
+    from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
+
+    t_dir, d_dir = out / "tiny-target", out / "tiny-drafter"
+    if not (t_dir / "config.json").exists():
+        tok_t = bytelevel_bpe_tokenizer()
+        tok_d = sentencepiece_like_tokenizer()
+        t = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7)
+        d = tiny_lm(tok_d, seed=2)
+        for lm, path in ((t, t_dir), (d, d_dir)):
+            if lm.tokenizer.eos_token_id is not None:
+                lm.model.config.eos_token_id = int(lm.tokenizer.eos_token_id)
+                lm.model.generation_config.eos_token_id = int(lm.tokenizer.eos_token_id)
+            lm.model.save_pretrained(path)
+            lm.tokenizer.save_pretrained(path)
+    return t_dir, d_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A service process with its log; stop() = SIGTERM then SIGKILL; kill() = SIGKILL at once."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
+        self.name, self.args = name, args
+        self.log_path = log_dir / f"{name}.log"
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        self.p = None
+
+    def start(self) -> "Proc":
+        self.log = open(self.log_path, "ab")
+        self.p = subprocess.Popen([sys.executable, "-m", *self.args], cwd=ROOT, stdout=self.log,
+                                  stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.alive():
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.p.kill()
+            self.p.wait()
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def wait_grpc_healthy(addr: str, proc: Proc, timeout: float = 120) -> None:
+    from crossdraft import rpc
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        if rpc.wait_healthy(addr, 1.0):
+            return
+    raise RuntimeError(f"{proc.name} not healthy after {timeout}s:\n{proc.tail()}")
+
+
+def wait_http_ready(url: str, proc: Proc, timeout: float = 120) -> None:
+    import requests
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        try:
+            if requests.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.name} not ready after {timeout}s:\n{proc.tail()}")
+
+
+def model_server(kind: str, model: str, log_dir: Path, port: int | None = None, dtype: str = "float32",
+                 extra: list[str] | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    p = Proc(f"{kind}-{port}", [kind, "--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                                *(extra or [])], log_dir).start()
+    return p, f"127.0.0.1:{port}"
+
+
+def gateway(verifier: str, drafter: str | None, redis_url: str, log_dir: Path, *, drafter_timeout_s: float = 10,
+            env: dict | None = None) -> tuple[Proc, str, str]:
+    hp, gp = free_port(), free_port()
+    args = ["gateway", "--verifier", verifier, "--redis-url", redis_url, "--host", "127.0.0.1", "--http-port", str(hp),
+            "--grpc-port", str(gp), "--drafter-timeout-s", str(drafter_timeout_s), "--connect-timeout-s", "120"]
+    if drafter:
+        args += ["--drafter", drafter]
+    p = Proc(f"gateway-{hp}", args, log_dir, env=env).start()
+    return p, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}"
