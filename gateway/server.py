@@ -127,20 +127,25 @@ def main(argv=None) -> int:
     servicer_box: dict = {}
 
     class LazyServicer(gateway_pb2_grpc.GatewayServiceServicer):
-        def __getattribute__(self, name):
-            if name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
-                svc = servicer_box.get("svc")
-                if svc is None:
-                    from crossdraft.errors import Unavailable
+        """Answers UNAVAILABLE until the gateway is built (methods are looked up per call)."""
 
-                    def unavailable(request, context):
-                        raise Unavailable("the gateway is starting")
-                    return unavailable
-                return getattr(svc, name)
-            return object.__getattribute__(self, name)
+    def _late(name):
+        def call(request, context):
+            svc = servicer_box.get("svc")
+            if svc is None:
+                from crossdraft.errors import Unavailable
+
+                raise Unavailable("the gateway is starting")
+            return getattr(svc, name)(request, context)
+
+        return call
+
+    lazy = LazyServicer()
+    for _name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
+        setattr(lazy, _name, _late(_name))
 
     server, gport, health = rpc.build_server(
-        [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(LazyServicer(), s)], [SERVICE_NAME],
+        [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(lazy, s)], [SERVICE_NAME],
         cfg.host, cfg.grpc_port, tracer=tracer)
     server.start()
     app = build_app(lambda: holder["gw"], tracer)

@@ -1,0 +1,70 @@
+"""A real stack for service tests: a Redis server, a verifier, a drafter and two gateway
+instances, each its own process on 127.0.0.1 (tiny random-init models saved as real HF
+directories, so that processes start in seconds), plus the in-process engine on the same models
+as the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from crossdraft.redis_server import RedisServer
+from tests.service_fixtures import (Proc, gateway, model_server, save_tiny_pair, wait_grpc_healthy,
+                                    wait_http_ready)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny-models"))
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    verifier: Proc
+    verifier_addr: str
+    drafter: Proc
+    drafter_addr: str
+    gw: Proc
+    http: str
+    grpc: str
+    gw2: Proc
+    http2: str
+    grpc2: str
+    log_dir: object
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dirs, tmp_path_factory):
+    t_dir, d_dir = tiny_dirs
+    logs = tmp_path_factory.mktemp("logs")
+    redis = RedisServer().start()
+    procs = []
+    try:
+        v, vaddr = model_server("verifier", str(t_dir), logs, extra=["--max-sessions", "8"])
+        procs.append(v)
+        d, daddr = model_server("drafter", str(d_dir), logs, extra=["--max-sessions", "8"])
+        procs.append(d)
+        wait_grpc_healthy(vaddr, v)
+        wait_grpc_healthy(daddr, d)
+        g1, http1, grpc1 = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=5)
+        procs.append(g1)
+        g2, http2, grpc2 = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=5)
+        procs.append(g2)
+        wait_http_ready(http1, g1)
+        wait_http_ready(http2, g2)
+        yield Stack(redis, v, vaddr, d, daddr, g1, http1, grpc1, g2, http2, grpc2, logs)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dirs):
+    from crossdraft.engine import Engine
+    from crossdraft.models import load_model
+
+    t_dir, d_dir = tiny_dirs
+    return Engine(load_model(str(t_dir), dtype="float32"), load_model(str(d_dir), dtype="float32"))

@@ -1,0 +1,172 @@
+"""Through REST and gRPC, the distributed stack produces exactly the in-process engine's tokens."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+import requests
+
+from crossdraft.client import Client
+from crossdraft.engine import DraftConfig
+from crossdraft.sampling import SamplingParams
+
+PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
+
+
+def rest(stack, path, body, http=None, **kw):
+    return requests.post((http or stack.http) + path, json=body, timeout=120, **kw)
+
+
+def sse_texts(resp):
+    pieces, final = [], None
+    for line in resp.iter_lines(decode_unicode=False):
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            break
+        obj = json.loads(data)
+        assert "error" not in obj, obj
+        ch = obj["choices"][0]
+        pieces.append(ch.get("text") or ch.get("delta", {}).get("content") or "")
+        if ch["finish_reason"] is not None:
+            final = obj
+    return "".join(pieces), final
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_rest_equals_engine_and_target_only(stack, engine, prompt):
+    ref = engine.generate(prompt, max_new_tokens=32, use_drafter=False)
+    spec = engine.generate(prompt, max_new_tokens=32)
+    r = rest(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 32})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == ref.text == spec.text
+    assert body["usage"]["completion_tokens"] == len(ref.token_ids)
+    s = body["speculative"]
+    assert s["mode"] == "speculative" and s["rounds"] >= 1
+    assert s["drafted"] == spec.stats.drafted and s["accepted"] == spec.stats.accepted
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_grpc_token_ids_equal_target_only(stack, engine, prompt):
+    ref = engine.generate(prompt, max_new_tokens=32, use_drafter=False)
+    with Client(stack.grpc) as c:
+        out = c.generate(prompt, max_new_tokens=32)
+    assert out.token_ids == ref.token_ids
+    assert out.text == ref.text
+    assert out.stats["mode"] == "speculative"
+    assert out.usage["completion_tokens"] == len(ref.token_ids)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2)])
+def test_seeded_sampling_equals_in_process_engine(stack, engine, params):
+    """Same seed, same code path: the distributed run draws exactly the in-process run's tokens."""
+    for seed in (1, 2):
+        ref = engine.generate(PROMPTS[0], max_new_tokens=24, params=SamplingParams(**params), seed=seed)
+        with Client(stack.grpc) as c:
+            out = c.generate(PROMPTS[0], max_new_tokens=24, seed=seed, **params)
+        assert out.token_ids == ref.token_ids
+        assert out.stats["drafted"] == ref.stats.drafted and out.stats["accepted"] == ref.stats.accepted
+
+
+def test_fixed_block_size_matches_engine(stack, engine):
+    ref = engine.generate(PROMPTS[1], max_new_tokens=24, draft=DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli"),
+                          params=SamplingParams(temperature=0.7), seed=5)
+    with Client(stack.grpc) as c:
+        out = c.generate(PROMPTS[1], max_new_tokens=24, num_draft_tokens=3, adaptive_draft=False, temperature=0.7, seed=5)
+    assert out.token_ids == ref.token_ids
+    assert out.stats["drafted"] == ref.stats.drafted > 0
+
+
+@pytest.mark.parametrize("http_attr", ["http", "http2"])
+def test_sse_stream_concatenates_to_the_non_streaming_text(stack, http_attr):
+    http = getattr(stack, http_attr)
+    body = {"prompt": PROMPTS[0], "max_tokens": 40}
+    whole = rest(stack, "/v1/completions", body, http=http).json()
+    r = rest(stack, "/v1/completions", dict(body, stream=True), http=http, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    text, final = sse_texts(r)
+    assert text == whole["choices"][0]["text"]
+    assert final["usage"] == whole["usage"]
+    assert final["speculative"]["rounds"] == whole["speculative"]["rounds"]
+
+
+def test_grpc_stream_deltas_concatenate(stack):
+    with Client(stack.grpc) as c:
+        pieces = list(c.stream(PROMPTS[2], max_new_tokens=30, temperature=0.9, seed=4))
+        whole = c.generate(PROMPTS[2], max_new_tokens=30, temperature=0.9, seed=4)
+    assert "".join(pieces) == whole.text
+
+
+def test_session_continues_identically_on_a_second_gateway(stack):
+    """Two sessions, same seed and history; turn 2 runs on gateway A for one and B for the other."""
+    with Client(stack.grpc) as a, Client(stack.grpc2) as b:
+        s1 = a.create_session(temperature=0.8, seed=11, max_new_tokens=16)
+        s2 = a.create_session(temperature=0.8, seed=11, max_new_tokens=16)
+        t1 = a.generate("def add(a, b):", session_id=s1)
+        t1b = a.generate("def add(a, b):", session_id=s2)
+        assert t1.token_ids == t1b.token_ids
+        u1 = a.generate("\n# next\n", session_id=s1)
+        u2 = b.generate("\n# next\n", session_id=s2)
+        assert u1.token_ids == u2.token_ids and len(u1.token_ids) > 0
+        info = b.get_session(s2)
+        assert info["turns"] == 2
+        assert info["text"] == "def add(a, b):" + t1b.text + "\n# next\n" + u2.text
+        assert a.delete_session(s1) and a.delete_session(s2)
+        assert not a.delete_session(s1)
+
+
+def test_session_turn_two_reuses_kv_caches(stack):
+    with Client(stack.grpc) as c:
+        sid = c.create_session(max_new_tokens=12)
+        c.generate("def add(a, b):", session_id=sid)
+        second = c.generate(" return", session_id=sid)
+        assert second.stats["reused_target_tokens"] > 5
+        assert second.stats["reused_drafter_tokens"] > 3
+        c.delete_session(sid)
+
+
+def test_session_via_rest_and_turns_are_consistent_with_one_long_run(stack, engine):
+    """Greedy: prompt + continuation in one session == the same text generated in one go."""
+    r = requests.post(stack.http + "/v1/sessions", json={"max_tokens": 10}, timeout=30)
+    assert r.status_code == 201, r.text
+    sid = r.json()["session_id"]
+    t1 = rest(stack, "/v1/completions", {"prompt": PROMPTS[0], "session_id": sid}).json()
+    assert t1["session_id"] == sid
+    got = requests.get(f"{stack.http}/v1/sessions/{sid}", timeout=30).json()
+    assert got["turns"] == 1 and got["text"] == PROMPTS[0] + t1["choices"][0]["text"]
+    assert requests.delete(f"{stack.http}/v1/sessions/{sid}", timeout=30).status_code == 200
+    assert requests.get(f"{stack.http}/v1/sessions/{sid}", timeout=30).status_code == 404
+
+
+def test_models_vocab_health_metrics(stack):
+    m = requests.get(stack.http + "/v1/models", timeout=10).json()
+    assert m["object"] == "list" and m["data"][0]["id"].endswith("tiny-target")
+    v = requests.get(stack.http + "/v1/vocab", timeout=10).json()
+    assert v["drafter_allowed_tli"] > 0 and v["target_vocab_size"] > 0
+    assert requests.get(stack.http + "/healthz", timeout=10).status_code == 200
+    assert requests.get(stack.http + "/readyz", timeout=10).status_code == 200
+    rest(stack, "/v1/completions", {"prompt": "abc", "max_tokens": 8})
+    text = requests.get(stack.http + "/metrics", timeout=10).text
+    for name in ("crossdraft_requests_total", "crossdraft_rounds_total", "crossdraft_drafted_tokens_total",
+                 "crossdraft_accepted_tokens_total", "crossdraft_accepted_by_position_total",
+                 'crossdraft_round_seconds_bucket{le="0.001",phase="overhead"}', "crossdraft_completion_tokens_total"):
+        assert name in text, name
+
+
+def test_health_and_reflection_on_every_service(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for addr, svc in ((stack.verifier_addr, "crossdraft.v1.VerifierService"), (stack.drafter_addr, "crossdraft.v1.DrafterService"),
+                      (stack.grpc, "crossdraft.v1.GatewayService")):
+        with grpc.insecure_channel(addr) as ch:
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=10)
+            assert st.status == health_pb2.HealthCheckResponse.SERVING
+            resp = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = {s.name for r in resp for s in r.list_services_response.service}
+            assert svc in names and "grpc.health.v1.Health" in names
