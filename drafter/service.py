@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import Counter, Histogram
@@ -31,6 +32,8 @@ def _expect(req):
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, state: Loading | None = None):
         self.state = state or Loading()
+        # fault injection for tests and drills: a slow drafter (seconds added per proposed token)
+        self.delay_s = float(os.environ.get("CROSSDRAFT_FAULT_DRAFT_DELAY_S", "0") or 0)
 
     def GetDrafterInfo(self, request, context):
         return drafter_pb2.GetDrafterInfoResponse(info=wire.model_info_to_proto(self.state.get().info()))
@@ -66,6 +69,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 total += tok.forward_s
                 DRAFT_TOKENS.inc()
                 TOKEN_SECONDS.observe(tok.forward_s)
+                if self.delay_s:
+                    time.sleep(self.delay_s)
                 msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3)
                 if tok.q_ids is not None:
                     msg.q_token_ids.extend(tok.q_ids.tolist())
