@@ -1,0 +1,110 @@
+"""One trace per request: a `crossdraft.verify_round` span per round with its attributes, and the
+drafter's and verifier's own server spans (in their processes) in the same trace.
+
+The gateway runs in this process with an in-memory exporter; the drafter and verifier are real
+processes exporting with OTEL_TRACES_EXPORTER=console, so their spans are read from their logs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from crossdraft import telemetry
+from crossdraft.redis_server import RedisServer
+from tests.service_fixtures import Proc, model_server, wait_grpc_healthy
+
+ROUND_ATTRS = ("crossdraft.round.index", "crossdraft.round.draft_tokens_requested", "crossdraft.round.drafted",
+               "crossdraft.round.accepted", "crossdraft.round.emitted", "crossdraft.round.draft_ms",
+               "crossdraft.round.verify_ms", "crossdraft.round.overhead_ms")
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_dirs, tmp_path_factory):
+    from gateway.core import GatewayConfig
+    from gateway.server import build_gateway
+
+    t_dir, d_dir = tiny_dirs
+    logs = tmp_path_factory.mktemp("trace-logs")
+    redis = RedisServer().start()
+    procs = []
+    try:
+        for kind, model in (("verifier", t_dir), ("drafter", d_dir)):
+            p, addr = model_server(kind, str(model), logs)
+            p.stop()
+            p.env.update(OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME=f"test-{kind}")
+            p.start()
+            procs.append((p, addr))
+        for p, addr in procs:
+            wait_grpc_healthy(addr, p)
+        exporter = InMemorySpanExporter()
+        provider = telemetry.setup_tracing("test-gateway", exporter, set_global=False)
+        tracer = provider.get_tracer("test")
+        cfg = GatewayConfig(verifier=procs[0][1], drafter=procs[1][1], redis_url=redis.url, connect_timeout_s=60)
+        gw = build_gateway(cfg, tracer)
+        yield gw, tracer, exporter, {p.name.split("-")[0]: p for p, _ in procs}
+    finally:
+        for p, _ in procs:
+            p.stop()
+        redis.stop()
+
+
+def _run(gw, tracer, **kw):
+    with tracer.start_as_current_span("client-request") as root:
+        job = gw.start(session_id=None, prompt="def fibonacci(n):\n", messages=None,
+                       options=dict(max_new_tokens=24, **kw))
+        events = list(job.events())
+    return root.get_span_context().trace_id, events[-1]
+
+
+def test_one_verify_round_span_per_round_with_attributes(traced):
+    gw, tracer, exporter, _ = traced
+    exporter.clear()
+    trace_id, done = _run(gw, tracer, temperature=0.8, seed=2)
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    rounds = [s for s in spans if s.name == "crossdraft.verify_round"]
+    assert len(rounds) == done["stats"]["rounds"] > 1
+    assert sorted(s.attributes["crossdraft.round.index"] for s in rounds) == list(range(len(rounds)))
+    for s in rounds:
+        for a in ROUND_ATTRS:
+            assert a in s.attributes, a
+        assert s.attributes["crossdraft.round.accepted"] <= s.attributes["crossdraft.round.drafted"]
+    assert sum(s.attributes["crossdraft.round.drafted"] for s in rounds) == done["stats"]["drafted"]
+    assert sum(s.attributes["crossdraft.round.accepted"] for s in rounds) == done["stats"]["accepted"]
+    assert sum(s.attributes["crossdraft.round.emitted"] for s in rounds) == done["usage"]["completion_tokens"]
+    # each round's RPCs are its children
+    round_ids = {s.context.span_id for s in rounds}
+    verifies = [s for s in spans if s.name == "crossdraft.v1.VerifierService/Verify"]
+    drafts = [s for s in spans if s.name == "crossdraft.v1.DrafterService/Draft"]
+    assert len(verifies) == len(rounds)
+    assert drafts and all(s.parent.span_id in round_ids for s in verifies + drafts)
+    assert all(s.kind == trace.SpanKind.CLIENT for s in verifies + drafts)
+
+
+def _server_spans(proc: Proc, trace_id: int, timeout: float = 10.0) -> list[str]:
+    want = f"0x{trace_id:032x}"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        names = re.findall(r'"name": "([^"]+)",\s*"context": \{\s*"trace_id": "' + want, proc.log_path.read_text())
+        if names:
+            return names
+        time.sleep(0.2)
+    return []
+
+
+def test_drafter_and_verifier_spans_share_the_request_trace(traced):
+    gw, tracer, exporter, procs = traced
+    trace_id, done = _run(gw, tracer)
+    v_names = _server_spans(procs["verifier"], trace_id)
+    d_names = _server_spans(procs["drafter"], trace_id)
+    assert "crossdraft.v1.VerifierService/Verify" in v_names
+    assert v_names.count("crossdraft.v1.VerifierService/Verify") == done["stats"]["rounds"]
+    assert "crossdraft.v1.DrafterService/Draft" in d_names
+    # and a different request is a different trace
+    other, _ = _run(gw, tracer)
+    assert other != trace_id and _server_spans(procs["verifier"], other)
