@@ -179,6 +179,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout-s", type=_positive_float, default=d.ready_timeout_s,
                         help="how long to wait for every service to become healthy (model loading)")  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="directory for the services' logs (default: a new temp dir)")
+    parser.add_argument("--demo-prompt", default=None,
+                        help="once ready, send this prompt to POST /v1/completions and print the answer with its stats")
+    parser.add_argument("--demo-max-tokens", type=int, default=64, help="max_tokens of the demo request")
+    parser.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo request")
 
 
 def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> UpConfig:
@@ -505,6 +509,36 @@ def banner(stack: Stack) -> str:
     return "\n".join(lines)
 
 
+class _DemoDone(Exception):
+    pass
+
+
+def demo_request(stack: Stack, prompt: str, max_tokens: int) -> bool:
+    """POST one completion to the running stack and print it (the README's first request)."""
+    import json
+
+    import requests
+
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    print(f"\nPOST {stack.rest_url}/completions {json.dumps(body)}", flush=True)
+    try:
+        r = requests.post(f"{stack.rest_url}/completions", json=body, timeout=600)
+    except requests.RequestException as e:
+        print(f"demo request failed: {e}", file=sys.stderr, flush=True)
+        return False
+    if r.status_code != 200:
+        print(f"demo request failed: HTTP {r.status_code}: {r.text}", file=sys.stderr, flush=True)
+        return False
+    out = r.json()
+    s = out["speculative"]
+    print("-" * 60 + "\n" + prompt + out["choices"][0]["text"] + "\n" + "-" * 60, flush=True)
+    tok = out["usage"]["completion_tokens"]
+    print(f"{tok} tokens in {s['total_ms'] / 1e3:.2f} s ({tok / max(s['total_ms'] / 1e3, 1e-9):.1f} tok/s); "
+          f"{s['rounds']} rounds, drafted {s['drafted']}, accepted {s['accepted']} "
+          f"({100 * s['acceptance_rate']:.0f}%), overhead {s['overhead_ms'] / max(s['rounds'], 1):.2f} ms/round", flush=True)
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the stack until Ctrl-C / SIGTERM (exit 0) or until a child dies (exit 1)."""
     cfg = config_from_args(args)
@@ -517,6 +551,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"waiting for the services to become healthy (up to {cfg.ready_timeout_s:g}s) ...", flush=True)
             stack.wait_ready()
             print(banner(stack), flush=True)
+            if getattr(args, "demo_prompt", None):
+                ok = demo_request(stack, args.demo_prompt, args.demo_max_tokens)
+                if args.exit_after_demo:
+                    rc = 0 if ok else 1
+                    raise _DemoDone()
             while True:
                 dead = stack.poll()
                 if dead is not None:
@@ -524,6 +563,8 @@ def main(args: argparse.Namespace) -> int:
                     rc = 1
                     break
                 time.sleep(0.5)
+        except _DemoDone:
+            print("stopping ...", flush=True)
         except _Interrupted as e:
             print(f"\n{e}: stopping ...", flush=True)
             rc = 0

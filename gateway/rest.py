@@ -61,6 +61,8 @@ async def _json_body(request: Request) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument("body", f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:  # e.g. "[[[[..." 100k deep: json.loads overflows the stack
+        raise InvalidArgument("body", "is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidArgument("body", "must be a JSON object")
     return data
