@@ -261,6 +261,10 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
     wrap(gw.decoder, "_expect", timed("context_crc_ms"))
     wrap(gw.store, "save", timed("redis_save_ms"))
     wrap(gw.metrics, "round", timed("metrics_ms"))
+    from gateway.sessions import Session
+
+    orig_to_json = Session.to_json
+    wrap(Session, "to_json", timed("redis_save_ms_of_which_session_to_json"))
 
     def one(profiler=None):
         s = gw.create_session(dict(opts))
@@ -301,6 +305,7 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
     sio = io.StringIO()
     pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
     out["cprofile_top_tottime"] = sio.getvalue().splitlines()[:45]
+    Session.to_json = orig_to_json
     with contextlib.suppress(Exception):
         gw.verifier.close()
         gw.drafter.close()

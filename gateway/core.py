@@ -87,7 +87,7 @@ def validate_options(opts: dict, cfg: GatewayConfig, names: dict | None = None) 
         elif key in ("temperature", "top_p", "repetition_penalty"):
             out[key] = _num(name, v)
         elif key == "top_k":
-            out[key] = _int(name, v, 0)
+            out[key] = _int(name, v, 0, 2**31 - 1)  # int32 on the wire to the verifier/drafter
         elif key == "seed":
             out[key] = _int(name, v, 0, 2**63 - 1)
         elif key == "num_draft_tokens":
@@ -102,6 +102,14 @@ def validate_options(opts: dict, cfg: GatewayConfig, names: dict | None = None) 
     return out
 
 
+def _check_utf8(name: str, text: str) -> None:
+    """JSON can carry lone surrogates ("\\ud800"); they have no UTF-8 form (tokenisers and gRPC need one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(name, f"is not valid UTF-8 (unpaired surrogate at character {e.start})") from None
+
+
 def validate_messages(messages, field: str = "messages") -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(field, "must be a non-empty list of {role, content} objects")
@@ -114,6 +122,7 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
             raise InvalidArgument(f"{field}[{i}].role", f"must be system, user or assistant, got {role!r}")
         if not isinstance(content, str):
             raise InvalidArgument(f"{field}[{i}].content", "must be a string")
+        _check_utf8(f"{field}[{i}].content", content)
         out.append({"role": role, "content": content})
     return out
 
@@ -217,6 +226,7 @@ class Gateway:
                 raise InvalidArgument(names.get("prompt", "prompt"), "must be a string")
             if len(prompt) > self.cfg.max_prompt_chars:
                 raise InvalidArgument(names.get("prompt", "prompt"), f"is longer than {self.cfg.max_prompt_chars} characters")
+            _check_utf8(names.get("prompt", "prompt"), prompt)
         if messages is not None:
             messages = validate_messages(messages, names.get("messages", "messages"))
             if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:

@@ -10,6 +10,7 @@ import uuid
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,6 +41,8 @@ def error_response(exc: Exception) -> JSONResponse:
         status, etype, param = 404, "not_found_error", exc.what
     elif isinstance(exc, FailedPrecondition):
         status, etype = 409, "conflict_error"
+        head, sep, _ = msg.partition(": ")
+        param = head if sep and head.isidentifier() else None  # e.g. "session_id: session 'x' already exists"
     elif isinstance(exc, ResourceExhausted):
         status, etype = 429, "rate_limit_error"
     elif isinstance(exc, Unavailable):
@@ -72,6 +75,8 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     opts, extra = {}, {}
     for k, v in data.items():
         if k in REST_OPTIONS:
+            if REST_OPTIONS[k] in opts:
+                raise InvalidArgument(k, "give only one of max_tokens or max_completion_tokens")
             opts[REST_OPTIONS[k]] = v
         elif k in (input_field, "stream", "session_id"):
             extra[k] = v
@@ -90,6 +95,11 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
 
 
 NAMES = {v: k for k, v in REST_OPTIONS.items() if k != "max_completion_tokens"}
+
+
+def _names(data: dict) -> dict:
+    """Option -> REST field names for errors, naming max_completion_tokens when that is what was sent."""
+    return dict(NAMES, max_new_tokens="max_completion_tokens") if "max_completion_tokens" in data else NAMES
 
 
 def build_app(gw_ref, tracer=None) -> Starlette:
@@ -123,7 +133,7 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             value = extra[field]
             if not chat and not isinstance(value, str):
                 raise InvalidArgument("prompt", "must be a string")
-            names = dict(NAMES, prompt="prompt", messages="messages")
+            names = dict(_names(data), prompt="prompt", messages="messages")
             job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
                           messages=value if chat else None, options=opts, api="rest", names=names)
         except Exception as e:
@@ -230,8 +240,10 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             for k, v in data.items():
                 if k not in REST_OPTIONS:
                     raise InvalidArgument(k, "unknown field")
+                if REST_OPTIONS[k] in opts:
+                    raise InvalidArgument(k, "give only one of max_tokens or max_completion_tokens")
                 opts[REST_OPTIONS[k]] = v
-            s = g.create_session(opts, sid, names=NAMES)
+            s = g.create_session(opts, sid, names=_names(data))
             return JSONResponse(_session_json(s), status_code=201)
         except Exception as e:
             return error_response(e)
@@ -286,7 +298,15 @@ def build_app(gw_ref, tracer=None) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+
+    async def http_error(request: Request, exc: HTTPException):
+        # unknown paths (404) and wrong methods (405) answer in the same JSON error shape as the rest
+        etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        msg = f"{exc.detail}: {request.method} {request.url.path}"
+        return JSONResponse({"error": {"message": msg, "type": etype, "param": None, "code": exc.status_code}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
 __all__ = ["build_app", "OPTION_FIELDS"]

@@ -35,8 +35,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def Generate(self, request, context):
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         prompt = request.prompt if (request.prompt or not messages) else None
-        job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
-                            options=options_from_proto(request.options), api="grpc")
+        try:
+            job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
+                                options=options_from_proto(request.options), api="grpc")
+        except Exception:
+            self.gw.metrics.requests.labels("grpc", "rejected").inc()  # as REST counts its rejections
+            raise
         return self._stream(job)
 
     def _stream(self, job):

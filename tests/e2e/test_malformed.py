@@ -71,6 +71,7 @@ REST_CASES = [
     ("max_tokens-bool", "POST", C, P(max_tokens=True), 400, "max_tokens", "integer"),
     ("max_tokens-above-limit", "POST", C, P(max_tokens=4097), 400, "max_tokens", "<= 4096"),
     ("max_completion_tokens-zero", "POST", C, P(max_tokens=..., max_completion_tokens=0), 400, "max_completion_tokens", ">= 1"),
+    ("max_tokens-and-max_completion_tokens", "POST", C, P(max_completion_tokens=8), 400, "max_completion_tokens", "only one"),
     ("temperature-negative", "POST", C, P(temperature=-0.5), 400, "temperature", ">= 0"),
     ("temperature-string", "POST", C, P(temperature="hot"), 400, "temperature", "number"),
     ("temperature-nan", "POST", C, b'{"prompt": "abc", "max_tokens": 4, "temperature": NaN}', 400, "temperature", "finite"),
@@ -104,6 +105,8 @@ REST_CASES = [
     ("chat-bad-role", "POST", CHAT, {"messages": MSGS + [{"role": "robot", "content": "x"}]}, 400, "messages[1].role", "robot"),
     ("chat-role-missing", "POST", CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role", "None"),
     ("chat-content-int", "POST", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
+    ("chat-content-lone-surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400,
+     "messages[0].content", "UTF-8"),
     ("chat-prompt-field", "POST", CHAT, {"messages": MSGS, "prompt": "x"}, 400, "prompt", "unknown field"),
     ("chat-bad-option", "POST", CHAT, {"messages": MSGS, "top_p": 2}, 400, "top_p", "(0, 1]"),
     ("chat-too-long", "POST", CHAT, {"messages": [{"role": "user", "content": "a" * 200_001}]}, 413, "messages", "longer than"),
@@ -114,6 +117,8 @@ REST_CASES = [
     ("session-unknown-field", "POST", S, {"prompt": "x"}, 400, "prompt", "unknown field"),
     ("session-bad-id", "POST", S, {"session_id": "no/slashes"}, 400, "session_id", "letters, digits"),
     ("session-id-int", "POST", S, {"session_id": 12}, 400, "session_id", "string"),
+    ("session-top_k-overflows-int32", "POST", S, {"top_k": 2**40}, 400, "top_k", "<="),
+    ("session-max_completion_tokens-zero", "POST", S, {"max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
     ("session-body-list", "POST", S, [1], 400, "body", "JSON object"),
     ("session-duplicate", "POST", S, {"session_id": EXISTING}, 409, "session_id", "already exists"),
     ("session-get-unknown", "GET", f"{S}/{MISSING}", None, 404, "session_id", MISSING),
@@ -143,6 +148,8 @@ def test_rest_malformed(stack, existing_session, case):
     assert err["code"] == status
     assert err["param"] == param, err
     assert part in err["message"], err
+    if status == 405:
+        assert "POST" in r.headers["allow"]
     if param is not None:
         assert err["message"].startswith(f"{param}:"), err
         assert err["type"] in ("invalid_request_error", "not_found_error", "conflict_error")
