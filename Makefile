@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run test test-fast bench clean
+.PHONY: venv protos models run generate test test-fast bench clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,18 @@ venv: $(STAMP) protos
 models: venv
 	@for m in $(TEST_MODELS); do $(BIN)/crossdraft models pull $$m || exit 1; done
 
-# The main job on the default models: speculative decoding of a code prompt, printed with stats.
+# The whole stack on the default models (Redis, drafter, verifier, gateway on localhost): sends one
+# request, prints it with its stats, then serves REST on :$(HTTP_PORT) and gRPC on :$(GRPC_PORT) until Ctrl-C.
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 50051
 run: venv
+	$(BIN)/crossdraft models pull $(TARGET)
+	$(BIN)/crossdraft models pull $(DRAFTER)
+	$(BIN)/crossdraft up --target $(TARGET) --drafter $(DRAFTER) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+		--demo-prompt "$$(printf '$(PROMPT)')" --demo-max-tokens 96 $(UP_ARGS)
+
+# The same job in one process (no services): speculative decoding of a code prompt, with stats.
+generate: venv
 	$(BIN)/crossdraft generate --target $(TARGET) --drafter $(DRAFTER) \
 		--prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96
 
