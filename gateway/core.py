@@ -250,6 +250,7 @@ class Job:
 
     def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names):
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
+        self._finished = False
         pair = gw.pair
         merged = dict(session.options) if session else {}
         merged.update(opts)
@@ -356,18 +357,24 @@ class Job:
                 s.stats = _add_stats(s.stats, st)
                 gw.store.save(s)
             status = "ok"
-            yield {"type": "done", "session_id": self.session.session_id if self.session else "",
-                   "finish_reason": res.stats.finish_reason, "text": res.text,
-                   "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(res.token_ids),
-                             "total_tokens": self.prompt_tokens + len(res.token_ids)},
-                   "stats": st}
-        except CrossdraftError:
-            status = "error"
-            raise
+            done = {"type": "done", "session_id": self.session.session_id if self.session else "",
+                    "finish_reason": res.stats.finish_reason, "text": res.text,
+                    "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(res.token_ids),
+                              "total_tokens": self.prompt_tokens + len(res.token_ids)},
+                    "stats": st}
+            # release the session before the client sees the end: its next request may follow at once
+            self._finish(status)
+            yield done
         finally:
-            gw.metrics.active.dec()
-            gw.metrics.requests.labels(self.api, status).inc()
-            self.close()
+            self._finish(status)
+
+    def _finish(self, status: str) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.gw.metrics.active.dec()
+        self.gw.metrics.requests.labels(self.api, status).inc()
+        self.close()
 
     def close(self) -> None:
         if self.lease and self.session is not None:
