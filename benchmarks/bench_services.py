@@ -95,7 +95,7 @@ class Stack:
         wait_grpc_healthy(self.drafter_addr, self.drafter, timeout=900)
         wait_grpc_healthy(self.verifier_addr, self.verifier, timeout=900)
         self.gw, self.http_url, self.grpc_addr = gateway(self.verifier_addr, self.drafter_addr, self.redis.url,
-                                                         self.log_dir)
+                                                         self.log_dir, drafter_timeout_s=self.a.drafter_timeout_s)
         self.procs.append(self.gw)
         wait_http_ready(self.http_url, self.gw, timeout=600)
 
@@ -163,7 +163,8 @@ def _stats(st: dict) -> dict:
     f = lambda k: float(st.get(k, 0) or 0)  # noqa: E731  (MessageToDict may render numbers as strings)
     return dict(rounds=int(f("rounds")), draft_ms=f("draft_ms"), verify_ms=f("verify_ms"), prefill_ms=f("prefill_ms"),
                 overhead_ms=f("overhead_ms"), total_ms=f("total_ms"), drafted=int(f("drafted")),
-                accepted=int(f("accepted")))
+                accepted=int(f("accepted")), drafter_fallback=bool(st.get("drafter_fallback")),
+                fallback_reason=st.get("fallback_reason", ""))
 
 
 def row(path, token_ids, wall, **kw) -> dict:
@@ -217,7 +218,7 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
     provider = telemetry.setup_tracing("crossdraft-gateway-bench", set_global=False)
     tracer = telemetry.get_tracer(provider, "crossdraft.gateway")
     cfg = GatewayConfig(verifier=stack.verifier_addr, drafter=stack.drafter_addr, redis_url=stack.redis.url,
-                        connect_timeout_s=60)
+                        connect_timeout_s=60, drafter_timeout_s=a.drafter_timeout_s)
     gw = build_gateway(cfg, tracer)
     opts = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=seed,
                 num_draft_tokens=a.num_draft_tokens)
@@ -324,6 +325,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="initial block size (the gateway's default is 4)")
+    ap.add_argument("--drafter-timeout-s", type=float, default=120.0,
+                    help="gateway deadline of one Draft call; past it the request goes on target-only (a loaded "
+                         "machine must not silently turn the distributed path into target-only)")
     ap.add_argument("--no-rest", action="store_true", help="skip the REST non-streaming row")
     ap.add_argument("--no-profile", action="store_true", help="skip the in-process gateway breakdown / cProfile")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -476,6 +480,12 @@ def write_results(a, results, rest, prof, target, threads) -> None:
           + ("" if same == len(B) else " -- first divergence at "
              + ", ".join(f"p{r['prompt']}: token {r['first_divergence']}" for r in B if not r['identical_to_in_process']))
           + ".", ""]
+    fb = [r for r in B if r.get("drafter_fallback")]
+    if fb or sa["rounds"] != sb["rounds"]:
+        L += [f"**Caveat.** The two paths did not run the same rounds (in-process {sa['rounds']}, distributed "
+              f"{sb['rounds']}); drafter fallbacks on the distributed path: {len(fb)}/{len(B)}"
+              + (f" ({fb[0].get('fallback_reason', '')[:160]})" if fb else "")
+              + ". Tokens/s are then not a like-for-like comparison; the per-round overheads still are.", ""]
     if prof and "breakdown_ms_per_round" in prof:
         L += ["**Where the distributed overhead goes** (gateway core run inside the benchmark process against the "
               f"same services, one request, {prof['rounds']} rounds; in-loop overhead "
