@@ -358,6 +358,7 @@ class DraftToken:
     q_ids: np.ndarray | None  # [m] int32 drafter ids ascending (None when greedy)
     q_probs: np.ndarray | None  # [m] float32, the distribution it was drawn from (unnormalised)
     forward_s: float
+    last: bool = False  # the block ends with this proposal
 
 
 @dataclass
@@ -444,8 +445,9 @@ class DrafterSession(_ModelSession):
                 q_probs = vals.numpy().astype(np.float32)
             tok = int(allowed.ids[j])
             props.append(tok)  # the next forward feeds exactly this proposal
-            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0)
-            if conf < stop_below:
+            last = i == k - 1 or conf < stop_below
+            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last)
+            if last:
                 break
 
     def draft(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,

@@ -150,7 +150,7 @@ class RemoteDrafter(_Remote):
                         t = m.token
                         q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
                         q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
-                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3))
+                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last))
             except grpc.RpcError as e:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
                 raise _convert(e, self.who, self.address) from None
