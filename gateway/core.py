@@ -4,6 +4,7 @@ the round loop over the remote drafter/verifier, metrics, and one span per verif
 from __future__ import annotations
 
 import contextlib
+import threading
 import logging
 import random
 import time
@@ -28,9 +29,14 @@ log = logging.getLogger("crossdraft.gateway")
 class GatewayConfig:
     """Configuration of the gateway (flags override CROSSDRAFT_* env vars)."""
 
-    verifier: str  # verifier address host:port
+    verifier: str | None  # verifier address(es) host:port[,host:port] (static discovery)
     redis_url: str  # Redis URL for sessions
-    drafter: str | None = None  # drafter address host:port (None = target-only)
+    drafter: str | None = None  # drafter address(es) (None = target-only, unless discovered)
+    discovery: str = "static"  # "static" (the addresses above) | "kubernetes" (watch EndpointSlices)
+    verifier_service: str | None = None  # kubernetes: headless Service of the verifier pods
+    drafter_service: str | None = None  # kubernetes: headless Service of the drafter pods (None = no drafter)
+    namespace: str = "default"  # kubernetes: namespace of those Services
+    port_name: str = "grpc"  # kubernetes: name of the gRPC port in the EndpointSlices
     host: str = "0.0.0.0"  # bind address
     http_port: int = 8000  # REST port (0 = pick a free one)
     grpc_port: int = 50051  # gRPC port (0 = pick a free one)
@@ -182,18 +188,43 @@ def _add_stats(total: dict, s: dict) -> dict:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, pair: TokenPair, verifier, drafter, store: SessionStore, *,
+    """placement: a :class:`gateway.discovery.Placement` over the verifier and drafter pools."""
+
+    def __init__(self, cfg: GatewayConfig, pair: TokenPair, placement, store: SessionStore, *,
                  tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0):
         self.cfg = cfg
         self.pair = pair
-        self.verifier = verifier
-        self.drafter = drafter
+        self.placement = placement
         self.store = store
         self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
         self.metrics = metrics or Metrics()
-        self.decoder = Decoder(pair, verifier, drafter, eos_ids=eos_ids, max_context=max_context, check_context=True,
-                               drafter_timeout_s=cfg.drafter_timeout_s)
-        self.model_name = verifier.info().get("model_name", "target")
+        self.eos_ids = tuple(eos_ids)
+        self.max_context = max_context
+        self._decoders: dict[tuple, Decoder] = {}
+        self._lock = threading.Lock()
+        v = placement.any_client("verifier")
+        self.model_name = v.info().get("model_name", "target") if v is not None else "target"
+        d = placement.any_client("drafter")
+        self.drafter_model = d.info().get("model_name") if d is not None else None
+        self.has_drafter = pair.drafter_tok is not None and placement.pools["drafter"] is not None
+
+    def decoder(self, v_addr: str, d_addr: str | None) -> Decoder:
+        """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has."""
+        key = (v_addr, d_addr)
+        with self._lock:
+            dec = self._decoders.get(key)
+            if dec is None:
+                v = self.placement.client("verifier", v_addr)
+                d = self.placement.client("drafter", d_addr) if d_addr else None
+                dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
+                                                    check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s)
+            return dec
+
+    def end_on_servers(self, sid: str, v_addr: str | None, d_addr: str | None) -> None:
+        for kind, addr in (("verifier", v_addr), ("drafter", d_addr)):
+            if addr:
+                with contextlib.suppress(Exception):
+                    self.placement.client(kind, addr).end(sid)
 
     # ---- sessions ----------------------------------------------------------------------------
     def create_session(self, options: dict, session_id: str | None = None, names=None) -> Session:
@@ -205,11 +236,12 @@ class Gateway:
         return self.store.get(sid)
 
     def delete_session(self, sid: str) -> bool:
+        s = None
+        with contextlib.suppress(CrossdraftError):
+            s = self.store.get(sid)
         existed = self.store.delete(sid)
-        for port in (self.verifier, self.drafter):
-            if port is not None:
-                with contextlib.suppress(Exception):
-                    port.end(sid)
+        if s is not None:
+            self.end_on_servers(sid, s.verifier_address, s.drafter_address)
         return existed
 
     # ---- generation --------------------------------------------------------------------------
@@ -251,6 +283,8 @@ class Job:
     def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names):
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
         self._finished = False
+        self._placed = False
+        self.sid = None
         pair = gw.pair
         merged = dict(session.options) if session else {}
         merged.update(opts)
@@ -262,7 +296,19 @@ class Job:
         k = merged.get("num_draft_tokens", gw.cfg.default_num_draft_tokens)
         self.draft = DraftConfig(num_draft_tokens=k, adaptive=merged.get("adaptive_draft", True),
                                  max_draft_tokens=max(10, k))
-        self.use_drafter = merged.get("use_drafter", True) and gw.drafter is not None
+        pl = gw.placement
+        self.v_addr, v_moved = pl.choose("verifier", session.verifier_address if session else None)
+        if self.v_addr is None:
+            raise Unavailable("no ready verifier")
+        self.use_drafter = merged.get("use_drafter", True) and gw.has_drafter
+        self.d_addr = None
+        self.no_drafter_reason = ""
+        if self.use_drafter:
+            self.d_addr, _ = pl.choose("drafter", session.drafter_address if session else None)
+            if self.d_addr is None:
+                self.use_drafter = False
+                self.no_drafter_reason = "no ready drafter"
+        self.moved = v_moved
         self.messages = None
         kind = "chat" if messages is not None else "text"
         if session is not None and session.kind and session.kind != kind:
@@ -286,10 +332,13 @@ class Job:
             raise InvalidArgument(names.get("prompt", "prompt"), "is empty after tokenisation")
         self.prompt_text = prompt
         self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
-        self.run = gw.decoder.run(self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params,
+        self.run = gw.decoder(self.v_addr, self.d_addr).run(self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params,
                                   seed=self.seed, draft=self.draft, round_start=session.round_index if session else 0,
                                   use_drafter=self.use_drafter, round_scope=self._round_scope)
         self.prompt_tokens = len(t_ids)
+        pl.acquire("verifier", self.v_addr)
+        pl.acquire("drafter", self.d_addr)
+        self._placed = True
 
     def _round_scope(self, round_index):
         gw = self.gw
@@ -334,13 +383,17 @@ class Job:
                     s.target_ids, s.round_index = ev.target_ids, ev.round_index + 1
                     if ev.drafter_ids is not None:
                         s.drafter_ids = ev.drafter_ids
-                    s.drafter_instance = gw.drafter.instance_id if self.use_drafter and gw.drafter is not None else ""
-                    s.verifier_instance = gw.verifier.instance_id
+                    s.verifier_address = self.v_addr
+                    s.verifier_instance = gw.placement.client("verifier", self.v_addr).instance_id
+                    s.drafter_address = self.d_addr or ""
+                    s.drafter_instance = gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""
                     if not ev.done:
                         gw.store.save(s)  # one SET per round: a crash leaves the last whole round
                 if ev.text or ev.emitted:
                     yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted)}
             res = self.run.result
+            if self.no_drafter_reason and not res.stats.drafter_fallback:
+                res.stats.drafter_fallback, res.stats.fallback_reason = True, self.no_drafter_reason
             st = stats_dict(res.stats)
             if res.stats.drafter_fallback:
                 gw.metrics.fallbacks.inc()
@@ -380,12 +433,13 @@ class Job:
         if self.lease and self.session is not None:
             self.gw.store.release(self.session.session_id, self.lease)
             self.lease = None
+        if self._placed:
+            self._placed = False
+            self.gw.placement.release("verifier", self.v_addr)
+            self.gw.placement.release("drafter", self.d_addr)
         if self.session is None and self.sid:
             sid, self.sid = self.sid, None
-            for port in (self.gw.verifier, self.gw.drafter):
-                if port is not None:
-                    with contextlib.suppress(Exception):
-                        port.end(sid)
+            self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
 __all__ = ["Gateway", "GatewayConfig", "Job", "Metrics", "Unavailable", "validate_options"]

@@ -213,7 +213,7 @@ def build_app(gw_ref, tracer=None) -> Starlette:
         except Exception as e:
             return error_response(e)
         d = {"id": g.model_name, "object": "model", "created": 0, "owned_by": "crossdraft",
-             "drafter": g.drafter.info().get("model_name") if g.drafter is not None else None}
+             "drafter": g.drafter_model}
         return JSONResponse({"object": "list", "data": [d]})
 
     async def vocab(request: Request):
@@ -252,6 +252,7 @@ def build_app(gw_ref, tracer=None) -> Starlette:
         return {"session_id": s.session_id, "turns": s.turns, "target_tokens": len(s.target_ids),
                 "drafter_tokens": len(s.drafter_ids), "options": {NAMES.get(k, k): v for k, v in s.options.items()},
                 "stats": s.stats, "drafter_instance": s.drafter_instance, "verifier_instance": s.verifier_instance,
+                "drafter_address": s.drafter_address, "verifier_address": s.verifier_address,
                 "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
 
     async def get_session(request: Request):

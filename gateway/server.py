@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description="crossdraft gateway: REST + gRPC front door")
     p.add_argument("--verifier", default=_env("VERIFIER", None), help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
     p.add_argument("--drafter", default=_env("DRAFTER", None), help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default=_env("DISCOVERY", "static"),
+                   help="static: --verifier/--drafter address lists; kubernetes: watch the Services' EndpointSlices")
+    p.add_argument("--verifier-service", default=_env("VERIFIER_SERVICE", None), help="kubernetes: verifier headless Service")
+    p.add_argument("--drafter-service", default=_env("DRAFTER_SERVICE", None), help="kubernetes: drafter headless Service")
+    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="kubernetes: namespace (env POD_NAMESPACE)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="Redis URL for sessions (env REDIS_URL)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
     p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", 8000)))
@@ -39,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(a) -> GatewayConfig:
-    if not a.verifier:
+    if a.discovery == "static" and not a.verifier:
         raise InvalidArgument("verifier", "is required (--verifier or CROSSDRAFT_VERIFIER)")
+    if a.discovery == "kubernetes" and not a.verifier_service:
+        raise InvalidArgument("verifier_service", "is required with --discovery kubernetes")
     if not a.redis_url:
         raise InvalidArgument("redis_url", "is required (--redis-url or REDIS_URL)")
     for name in ("http_port", "grpc_port"):
@@ -48,14 +55,20 @@ def config_from_args(a) -> GatewayConfig:
         if not 0 <= v < 65536:
             raise InvalidArgument(name, f"must be in [0, 65535], got {v}")
     return GatewayConfig(verifier=a.verifier, drafter=a.drafter or None, redis_url=a.redis_url, host=a.host,
+                         discovery=a.discovery, verifier_service=a.verifier_service,
+                         drafter_service=a.drafter_service or None, namespace=a.namespace,
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          max_new_tokens_limit=a.max_new_tokens_limit)
 
 
-def build_gateway(cfg: GatewayConfig, tracer=None, exporter_provider=None):
-    """Connect to the model servers, load tokenizers, build the mapping: a ready Gateway."""
+def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
+    """Connect to the model servers, load tokenizers, build the mapping: a ready Gateway.
+
+    pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
+    them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
+    """
     from crossdraft import rpc
     from crossdraft.decode import TokenPair
     from crossdraft.models import load_tokenizer
@@ -64,17 +77,28 @@ def build_gateway(cfg: GatewayConfig, tracer=None, exporter_provider=None):
     from .core import Gateway
     from .sessions import SessionStore
 
-    if not rpc.wait_healthy(cfg.verifier, cfg.connect_timeout_s):
-        raise CrossdraftError(f"verifier {cfg.verifier} did not become healthy within {cfg.connect_timeout_s} s")
-    verifier = RemoteVerifier(cfg.verifier, tracer, timeout_s=cfg.verifier_timeout_s)
+    from .discovery import EndpointSliceWatcher, Placement, Pool, static_pool
+
+    if pools is not None:
+        vpool, dpool = pools
+    elif cfg.discovery == "kubernetes":
+        vpool = Pool("verifier")
+        dpool = Pool("drafter") if cfg.drafter_service else None
+        for pool, svc in ((vpool, cfg.verifier_service), (dpool, cfg.drafter_service)):
+            if pool is not None:
+                EndpointSliceWatcher(pool, cfg.namespace, svc, cfg.port_name).start()
+    else:
+        try:
+            vpool = static_pool("verifier", cfg.verifier)
+            dpool = static_pool("drafter", cfg.drafter)
+        except ValueError as e:
+            raise InvalidArgument("verifier" if "verifier" in str(e) else "drafter", str(e)) from None
+    placement = Placement(vpool, dpool, lambda a: RemoteVerifier(a, tracer, timeout_s=cfg.verifier_timeout_s),
+                          lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s))
+    verifier = _first_healthy(placement, "verifier", cfg.connect_timeout_s)
     vinfo = verifier.info()
-    drafter = None
-    dinfo = None
-    if cfg.drafter:
-        if not rpc.wait_healthy(cfg.drafter, cfg.connect_timeout_s):
-            raise CrossdraftError(f"drafter {cfg.drafter} did not become healthy within {cfg.connect_timeout_s} s")
-        drafter = RemoteDrafter(cfg.drafter, tracer, timeout_s=cfg.drafter_timeout_s)
-        dinfo = drafter.info()
+    drafter = _first_healthy(placement, "drafter", cfg.connect_timeout_s) if dpool is not None else None
+    dinfo = drafter.info() if drafter is not None else None
     t_tok = load_tokenizer(cfg.target_tokenizer or vinfo["model_name"], progress=False)
     d_tok = load_tokenizer(cfg.drafter_tokenizer or dinfo["model_name"], progress=False) if drafter else None
     _check_digest(t_tok, vinfo, "target")
@@ -82,8 +106,23 @@ def build_gateway(cfg: GatewayConfig, tracer=None, exporter_provider=None):
         _check_digest(d_tok, dinfo, "drafter")
     pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
     store = SessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
-    return Gateway(cfg, pair, verifier, drafter, store, tracer=tracer, eos_ids=_eos(t_tok, vinfo),
+    return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=_eos(t_tok, vinfo),
                    max_context=vinfo["max_context_tokens"])
+
+
+def _first_healthy(placement, kind: str, timeout_s: float):
+    """A client of the first pod of `kind` that answers its health check (waits for the pool)."""
+    from crossdraft import rpc
+
+    t0 = time.time()
+    pool = placement.pools[kind]
+    while time.time() - t0 < timeout_s:
+        for addr in pool.addresses():
+            if rpc.wait_healthy(addr, 1.0):
+                return placement.client(kind, addr)
+        pool.wait_nonempty(1.0)
+        time.sleep(0.2)
+    raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({', '.join(pool.addresses()) or 'none known'})")
 
 
 def _eos(tok, info) -> set[int]:
@@ -160,7 +199,7 @@ def main(argv=None) -> int:
             servicer_box["svc"] = GatewayServicer(gw)
             rpc.set_serving(health, ["", SERVICE_NAME], True)
             print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
-                  f"{gw.drafter.info()['model_name'] if gw.drafter else 'none'}); REST http://{cfg.host}:{cfg.http_port}/v1, "
+                  f"{gw.drafter_model or 'none'}); REST http://{cfg.host}:{cfg.http_port}/v1, "
                   f"gRPC {cfg.host}:{gport}", flush=True)
         except Exception as e:
             log.error("gateway failed to start: %s: %s", type(e).__name__, e)

@@ -37,8 +37,10 @@ class Session:
     text: str = ""
     round_index: int = 0  # rounds run so far: random draws of later turns never repeat earlier ones
     stats: dict = field(default_factory=dict)  # totals over the session's requests
-    drafter_instance: str = ""
+    drafter_instance: str = ""  # instance id of the drafter process that holds the session's cache
     verifier_instance: str = ""
+    drafter_address: str = ""  # the pod (host:port) the session's rounds go to while it is ready
+    verifier_address: str = ""
 
     def to_json(self) -> str:
         # token ids as base64 of int32 little-endian: ~20x faster than a JSON list, and smaller

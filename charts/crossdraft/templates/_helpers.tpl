@@ -1,0 +1,218 @@
+{{/* Chart name. */}}
+{{- define "crossdraft.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name prefix: <release>-<chart> unless the release name already contains the chart name. */}}
+{{- define "crossdraft.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: include "crossdraft.componentName" (list $ "drafter"). */}}
+{{- define "crossdraft.componentName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "crossdraft.fullname" $root | trunc 50 | trimSuffix "-") (index . 1) -}}
+{{- end -}}
+
+{{- define "crossdraft.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object: include "crossdraft.labels" (list $ "drafter"). */}}
+{{- define "crossdraft.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "crossdraft.chart" $root }}
+{{ include "crossdraft.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: crossdraft
+{{- with $root.Values.global.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels: include "crossdraft.selectorLabels" (list $ "drafter"). */}}
+{{- define "crossdraft.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "crossdraft.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* Image reference: include "crossdraft.image" (list $ .Values.drafter.image). */}}
+{{- define "crossdraft.image" -}}
+{{- $root := index . 0 -}}
+{{- $img := index . 1 -}}
+{{- printf "%s:%s" $img.repository (default $root.Chart.AppVersion (toString $img.tag)) -}}
+{{- end -}}
+
+{{- define "crossdraft.pullPolicy" -}}
+{{- $root := index . 0 -}}
+{{- $img := index . 1 -}}
+{{- default $root.Values.global.imagePullPolicy $img.pullPolicy -}}
+{{- end -}}
+
+{{/* ServiceAccount name: include "crossdraft.serviceAccountName" (list $ "drafter"). */}}
+{{- define "crossdraft.serviceAccountName" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $sa := (index $root.Values $comp).serviceAccount -}}
+{{- if $sa.create -}}
+{{- default (include "crossdraft.componentName" .) $sa.name -}}
+{{- else -}}
+{{- default "default" $sa.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "crossdraft.modelsConfigName" -}}
+{{- include "crossdraft.componentName" (list . "models") -}}
+{{- end -}}
+{{- define "crossdraft.gatewayConfigName" -}}
+{{- include "crossdraft.componentName" (list . "gateway-config") -}}
+{{- end -}}
+
+{{/* Headless Service names, shared by the model servers and the gateway's discovery env. */}}
+{{- define "crossdraft.drafterService" -}}
+{{- include "crossdraft.componentName" (list . "drafter") -}}
+{{- end -}}
+{{- define "crossdraft.verifierService" -}}
+{{- include "crossdraft.componentName" (list . "verifier") -}}
+{{- end -}}
+{{- define "crossdraft.redisService" -}}
+{{- include "crossdraft.componentName" (list . "redis") -}}
+{{- end -}}
+
+{{- define "crossdraft.redisExternal" -}}
+{{- if .Values.redis.external.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* OTEL_* env, rendered only when otel.endpoint is set: include "crossdraft.otelEnv" (list $ "drafter"). */}}
+{{- define "crossdraft.otelEnv" -}}
+{{- $root := index . 0 -}}
+{{- with $root.Values.otel }}
+{{- if .endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "%s-%s" .serviceNamePrefix (index $ 1) | quote }}
+{{- if .protocol }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .protocol | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* /models volume: include "crossdraft.modelCacheVolume" .Values.drafter.modelCache. */}}
+{{- define "crossdraft.modelCacheVolume" -}}
+- name: models
+{{- if .existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .existingClaim }}
+{{- else if .sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{/* GPU-aware resources: include "crossdraft.gpuResources" .Values.drafter. */}}
+{{- define "crossdraft.gpuResources" -}}
+{{- $res := deepCopy (default dict .resources) -}}
+{{- if gt (int .gpu.count) 0 -}}
+{{- $req := default dict $res.requests -}}
+{{- $lim := default dict $res.limits -}}
+{{- $_ := set $req .gpu.resourceName (int .gpu.count) -}}
+{{- $_ := set $lim .gpu.resourceName (int .gpu.count) -}}
+{{- $_ := set $res "requests" $req -}}
+{{- $_ := set $res "limits" $lim -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* PodDisruptionBudget body: include "crossdraft.pdb" (list $ "drafter"). */}}
+{{- define "crossdraft.pdb" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $pdb := (index $root.Values $comp).pdb -}}
+{{- if $pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "crossdraft.componentName" . }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "crossdraft.labels" . | nindent 4 }}
+spec:
+  {{- if ne (toString $pdb.minAvailable) "" }}
+  minAvailable: {{ $pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ $pdb.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "crossdraft.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* HPA: include "crossdraft.hpa" (list $ "drafter" "Deployment"). */}}
+{{- define "crossdraft.hpa" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $as := (index $root.Values $comp).autoscaling -}}
+{{- $ctx := list $root $comp -}}
+{{- if $as.enabled }}
+{{- if and (not $as.targetCPUUtilizationPercentage) (not $as.customMetric.name) }}
+{{- fail (printf "%s.autoscaling: set targetCPUUtilizationPercentage or customMetric.name" $comp) }}
+{{- end }}
+{{- if gt (int $as.minReplicas) (int $as.maxReplicas) }}
+{{- fail (printf "%s.autoscaling: minReplicas > maxReplicas" $comp) }}
+{{- end }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "crossdraft.componentName" $ctx }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "crossdraft.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ index . 2 }}
+    name: {{ include "crossdraft.componentName" $ctx }}
+  minReplicas: {{ $as.minReplicas }}
+  maxReplicas: {{ $as.maxReplicas }}
+  metrics:
+    {{- if $as.targetCPUUtilizationPercentage }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $as.targetCPUUtilizationPercentage }}
+    {{- end }}
+    {{- if $as.customMetric.name }}
+    - type: Pods
+      pods:
+        metric:
+          name: {{ $as.customMetric.name }}
+        target:
+          type: AverageValue
+          averageValue: {{ $as.customMetric.targetAverageValue | quote }}
+    {{- end }}
+{{- end }}
+{{- end -}}

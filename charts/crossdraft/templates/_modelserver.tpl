@@ -1,0 +1,188 @@
+{{/*
+Pod template shared by the drafter Deployment and the verifier StatefulSet:
+include "crossdraft.modelServerPodTemplate" (list $ "drafter").
+*/}}
+{{- define "crossdraft.modelServerPodTemplate" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $v := index $root.Values $comp -}}
+metadata:
+  labels:
+    {{- include "crossdraft.labels" . | nindent 4 }}
+    {{- with $v.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+    {{- with $v.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "crossdraft.serviceAccountName" . }}
+  automountServiceAccountToken: false
+  enableServiceLinks: false
+  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  {{- with $v.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $root.Values.global.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
+  containers:
+    - name: {{ $comp }}
+      image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
+      imagePullPolicy: {{ include "crossdraft.pullPolicy" (list $root $v.image) }}
+      ports:
+        - name: grpc
+          containerPort: {{ $v.ports.grpc }}
+          protocol: TCP
+        - name: metrics
+          containerPort: {{ $v.ports.metrics }}
+          protocol: TCP
+      env:
+        - name: CROSSDRAFT_MODEL
+          valueFrom:
+            configMapKeyRef:
+              name: {{ include "crossdraft.modelsConfigName" $root }}
+              key: {{ $comp }}-model
+        - name: CROSSDRAFT_DTYPE
+          value: {{ $v.dtype | quote }}
+        - name: CROSSDRAFT_DEVICE
+          value: {{ $v.device | quote }}
+        - name: CROSSDRAFT_HOST
+          value: "0.0.0.0"
+        - name: CROSSDRAFT_PORT
+          value: {{ $v.ports.grpc | quote }}
+        - name: CROSSDRAFT_METRICS_PORT
+          value: {{ $v.ports.metrics | quote }}
+        - name: CROSSDRAFT_MAX_SESSIONS
+          value: {{ $v.maxSessions | quote }}
+        - name: CROSSDRAFT_SESSION_TTL_S
+          value: {{ $v.sessionTtlSeconds | quote }}
+        - name: CROSSDRAFT_LOG_LEVEL
+          value: {{ $v.logLevel | quote }}
+        - name: CROSSDRAFT_HOME
+          value: /models
+        - name: HOME
+          value: /tmp
+        {{- with (include "crossdraft.otelEnv" . | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $v.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      startupProbe:
+        grpc:
+          port: {{ $v.ports.grpc }}
+          service: ""
+        periodSeconds: {{ $v.startupProbe.periodSeconds }}
+        failureThreshold: {{ $v.startupProbe.failureThreshold }}
+        timeoutSeconds: {{ $v.startupProbe.timeoutSeconds }}
+      readinessProbe:
+        grpc:
+          port: {{ $v.ports.grpc }}
+          service: ""
+        periodSeconds: {{ $v.readinessProbe.periodSeconds }}
+        failureThreshold: {{ $v.readinessProbe.failureThreshold }}
+        timeoutSeconds: {{ $v.readinessProbe.timeoutSeconds }}
+      livenessProbe:
+        grpc:
+          port: {{ $v.ports.grpc }}
+          service: ""
+        periodSeconds: {{ $v.livenessProbe.periodSeconds }}
+        failureThreshold: {{ $v.livenessProbe.failureThreshold }}
+        timeoutSeconds: {{ $v.livenessProbe.timeoutSeconds }}
+      resources:
+        {{- include "crossdraft.gpuResources" $v | nindent 8 }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: models
+          mountPath: /models
+        - name: tmp
+          mountPath: /tmp
+        - name: dshm
+          mountPath: /dev/shm
+  volumes:
+    {{- if not (and (eq $comp "verifier") $v.modelCache.perPodClaim.enabled (not $v.modelCache.existingClaim)) }}
+    {{- include "crossdraft.modelCacheVolume" $v.modelCache | nindent 4 }}
+    {{- end }}
+    - name: tmp
+      emptyDir: {}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: 1Gi
+  {{- with $v.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/* Headless Service of a model server: include "crossdraft.modelServerService" (list $ "drafter"). */}}
+{{- define "crossdraft.modelServerService" -}}
+{{- $root := index . 0 -}}
+{{- $v := index $root.Values (index . 1) -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "crossdraft.componentName" . }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "crossdraft.labels" . | nindent 4 }}
+spec:
+  type: ClusterIP
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "crossdraft.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $v.ports.grpc }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    - name: metrics
+      port: {{ $v.ports.metrics }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+{{- end -}}
+
+{{/* ServiceAccount without a mounted token: include "crossdraft.serviceAccount" (list $ "drafter" false). */}}
+{{- define "crossdraft.serviceAccount" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $sa := (index $root.Values $comp).serviceAccount -}}
+{{- $ctx := list $root $comp -}}
+{{- if $sa.create }}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata:
+  name: {{ include "crossdraft.serviceAccountName" $ctx }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "crossdraft.labels" $ctx | nindent 4 }}
+  {{- with $sa.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+automountServiceAccountToken: {{ index . 2 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,223 @@
+"""Where the drafter and verifier pods are, and which one serves a session.
+
+A :class:`Pool` holds the ready addresses of one kind of model server. Outside Kubernetes it is
+static (``--verifier a:1,b:2``); inside, :class:`EndpointSliceWatcher` keeps it current from the
+EndpointSlices of the kind's headless Service (official ``kubernetes`` client: list, then watch,
+re-listing when the watch expires). :class:`Placement` sends a new session to the least-loaded
+ready pod, keeps later rounds on the pod recorded for the session (its KV cache lives there), and
+moves the session when that pod is gone -- the new pod rebuilds the cache from the history.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import defaultdict
+
+log = logging.getLogger("crossdraft.gateway.discovery")
+
+
+class Pool:
+    """The ready addresses ("host:port") of one kind of model server."""
+
+    def __init__(self, kind: str, addresses=()):
+        self.kind = kind
+        self._lock = threading.Lock()
+        self._addrs: list[str] = sorted(set(addresses))
+        self.changed = threading.Condition(self._lock)
+        self.version = 0
+
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return list(self._addrs)
+
+    def set(self, addresses) -> None:
+        new = sorted(set(addresses))
+        with self._lock:
+            if new != self._addrs:
+                log.info("%s pool: %s", self.kind, ", ".join(new) or "(empty)")
+                self._addrs = new
+                self.version += 1
+                self.changed.notify_all()
+
+    def wait_nonempty(self, timeout_s: float) -> bool:
+        with self._lock:
+            return self.changed.wait_for(lambda: bool(self._addrs), timeout_s)
+
+
+def static_pool(kind: str, spec: str | None) -> Pool | None:
+    """A pool from "host:port[,host:port...]" (None or empty -> None)."""
+    if not spec:
+        return None
+    addrs = [a.strip() for a in spec.split(",") if a.strip()]
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{kind}: bad address {a!r} (want host:port)")
+    return Pool(kind, addrs)
+
+
+def slice_addresses(obj, port_name: str = "grpc") -> list[str]:
+    """Ready "ip:port" of one EndpointSlice (a kubernetes.client.V1EndpointSlice)."""
+    port = None
+    for p in obj.ports or []:
+        if p.name == port_name or port is None:
+            port = p.port
+            if p.name == port_name:
+                break
+    if port is None:
+        return []
+    out = []
+    for ep in obj.endpoints or []:
+        cond = ep.conditions
+        # Kubernetes: a nil `ready` means ready; terminating endpoints are not
+        ready = cond is None or cond.ready is None or bool(cond.ready)
+        terminating = cond is not None and bool(cond.terminating)
+        if ready and not terminating:
+            for a in ep.addresses or []:
+                out.append(f"[{a}]:{port}" if ":" in a else f"{a}:{port}")
+    return out
+
+
+class EndpointSliceWatcher:
+    """Keeps a Pool equal to the ready endpoints of a Service's EndpointSlices."""
+
+    def __init__(self, pool: Pool, namespace: str, service: str, port_name: str = "grpc", api=None):
+        self.pool = pool
+        self.namespace = namespace
+        self.service = service
+        self.port_name = port_name
+        self._api = api
+        self.slices: dict[str, list[str]] = {}
+        self.resource_version: str | None = None
+        self._stop = threading.Event()
+
+    @property
+    def selector(self) -> str:
+        return f"kubernetes.io/service-name={self.service}"
+
+    def api(self):
+        if self._api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self._api = client.DiscoveryV1Api()
+        return self._api
+
+    # ---- the code path every event goes through (tests feed recorded objects here) ----
+    def apply(self, event_type: str, obj) -> None:
+        name = obj.metadata.name
+        if event_type == "DELETED":
+            self.slices.pop(name, None)
+        else:  # ADDED / MODIFIED
+            self.slices[name] = slice_addresses(obj, self.port_name)
+        rv = getattr(obj.metadata, "resource_version", None)
+        if rv:
+            self.resource_version = rv
+        self.pool.set(a for addrs in self.slices.values() for a in addrs)
+
+    def relist(self) -> None:
+        lst = self.api().list_namespaced_endpoint_slice(self.namespace, label_selector=self.selector)
+        self.slices = {}
+        for obj in lst.items:
+            self.slices[obj.metadata.name] = slice_addresses(obj, self.port_name)
+        self.resource_version = lst.metadata.resource_version
+        self.pool.set(a for addrs in self.slices.values() for a in addrs)
+
+    def consume(self, events) -> None:
+        """Apply a stream of watch events ({"type", "object"}); ERROR events end it."""
+        for ev in events:
+            if self._stop.is_set():
+                return
+            if ev["type"] == "ERROR":
+                self.resource_version = None  # e.g. 410 Gone: re-list
+                return
+            self.apply(ev["type"], ev["object"])
+
+    def run(self) -> None:
+        from kubernetes import watch
+
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                if self.resource_version is None:
+                    self.relist()
+                w = watch.Watch()
+                self.consume(w.stream(self.api().list_namespaced_endpoint_slice, self.namespace,
+                                      label_selector=self.selector, resource_version=self.resource_version,
+                                      timeout_seconds=300))
+                backoff = 1.0
+            except Exception as e:  # API server unreachable, 410, ...: keep the last pool, retry
+                log.warning("watch of %s/%s failed: %s; retrying in %.0fs", self.namespace, self.service, e, backoff)
+                self.resource_version = None
+                self._stop.wait(backoff)
+                backoff = min(30.0, backoff * 2)
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self.run, name=f"watch-{self.service}", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Placement:
+    """Chooses drafter/verifier pods per session and keeps a client per pod."""
+
+    def __init__(self, verifiers: Pool, drafters: Pool | None, make_verifier, make_drafter):
+        self.pools = {"verifier": verifiers, "drafter": drafters}
+        self.make = {"verifier": make_verifier, "drafter": make_drafter}
+        self.clients: dict[tuple[str, str], object] = {}
+        self.inflight: dict[tuple[str, str], int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def client(self, kind: str, addr: str):
+        with self._lock:
+            c = self.clients.get((kind, addr))
+            if c is None:
+                c = self.clients[(kind, addr)] = self.make[kind](addr)
+            return c
+
+    def choose(self, kind: str, recorded: str | None) -> tuple[str | None, bool]:
+        """(address, moved): the recorded pod while it is ready, else the least-loaded ready pod."""
+        pool = self.pools[kind]
+        if pool is None:
+            return None, False
+        addrs = pool.addresses()
+        if not addrs:
+            return None, bool(recorded)
+        if recorded in addrs:
+            return recorded, False
+        with self._lock:
+            least = min(self.inflight[(kind, a)] for a in addrs)
+            best = [a for a in addrs if self.inflight[(kind, a)] == least]
+        return random.choice(best), bool(recorded)
+
+    def acquire(self, kind: str, addr: str | None) -> None:
+        if addr:
+            with self._lock:
+                self.inflight[(kind, addr)] += 1
+
+    def release(self, kind: str, addr: str | None) -> None:
+        if addr:
+            with self._lock:
+                self.inflight[(kind, addr)] = max(0, self.inflight[(kind, addr)] - 1)
+
+    def any_client(self, kind: str, timeout_s: float = 0.0):
+        pool = self.pools[kind]
+        if pool is None:
+            return None
+        t0 = time.time()
+        while True:
+            addrs = pool.addresses()
+            if addrs:
+                return self.client(kind, addrs[0])
+            if time.time() - t0 >= timeout_s:
+                return None
+            pool.wait_nonempty(min(1.0, timeout_s))

@@ -1,0 +1,132 @@
+"""Pod discovery from EndpointSlices and session placement.
+
+No API server runs here: recorded EndpointSlice watch events (the JSON an API server sends) go
+through the kubernetes client's own event decoding (``Watch.unmarshal_event`` into its
+``V1EndpointSlice`` models) and then through the gateway's watch code path.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client, watch
+
+from gateway.discovery import EndpointSliceWatcher, Placement, Pool, slice_addresses, static_pool
+
+EVENTS = (Path(__file__).parents[1] / "data" / "endpointslice_events.jsonl").read_text().splitlines()
+# the pool after each recorded event
+EXPECTED = [
+    ["10.8.1.14:50062"],  # pod 1 not ready yet
+    ["10.8.1.14:50062", "10.8.2.31:50062"],
+    ["10.8.1.14:50062", "10.8.2.31:50062", "10.8.3.7:50062"],  # a second slice
+    ["10.8.2.31:50062", "10.8.3.7:50062"],  # pod 0 terminating
+    ["10.8.2.31:50062"],  # second slice deleted
+]
+
+
+def decoded(lines):
+    w = watch.Watch()
+    return [w.unmarshal_event(line, "V1EndpointSlice") for line in lines]
+
+
+def test_events_decode_into_client_models():
+    ev = decoded(EVENTS[:1])[0]
+    assert ev["type"] == "ADDED" and isinstance(ev["object"], client.V1EndpointSlice)
+    assert slice_addresses(ev["object"]) == ["10.8.1.14:50062"]
+    assert slice_addresses(ev["object"], port_name="metrics") == ["10.8.1.14:9090"]
+
+
+def test_watch_events_keep_the_pool_current():
+    pool = Pool("verifier")
+    w = EndpointSliceWatcher(pool, "llm", "crossdraft-verifier", api=object())
+    for ev, want in zip(decoded(EVENTS), EXPECTED):
+        w.consume([ev])
+        assert pool.addresses() == want
+    assert w.resource_version == "104611"
+
+
+def test_nil_ready_means_ready_and_ipv6_is_bracketed():
+    s = client.V1EndpointSlice(
+        address_type="IPv6", metadata=client.V1ObjectMeta(name="x"),
+        endpoints=[client.V1Endpoint(addresses=["fd00::1"], conditions=client.V1EndpointConditions()),
+                   client.V1Endpoint(addresses=["fd00::2"], conditions=None)],
+        ports=[client.DiscoveryV1EndpointPort(name="grpc", port=50061)])
+    assert slice_addresses(s) == ["[fd00::1]:50061", "[fd00::2]:50061"]
+
+
+class FakeDiscoveryApi:
+    """Answers the initial LIST with a recorded EndpointSliceList."""
+
+    def __init__(self, items):
+        self.items = items
+        self.calls = []
+
+    def list_namespaced_endpoint_slice(self, namespace, **kw):
+        self.calls.append((namespace, kw))
+        data = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                "metadata": {"resourceVersion": "104000"}, "items": self.items}
+        return client.ApiClient().deserialize(json.dumps(data), "V1EndpointSliceList", "application/json")
+
+
+def test_run_lists_then_watches_through_the_client(monkeypatch):
+    """The real run() loop: LIST (recorded), then WATCH (recorded stream), then ERROR -> re-LIST."""
+    first = json.loads(EVENTS[0])["object"]
+    api = FakeDiscoveryApi([first])
+    streams = [list(EVENTS[1:4]) + ['{"type": "ERROR", "object": {"kind": "Status", "code": 410}}'], []]
+    seen_kwargs = []
+
+    def fake_stream(self, func, *args, **kwargs):
+        seen_kwargs.append(kwargs)
+        lines = streams.pop(0) if streams else []
+        for line in lines:
+            yield self.unmarshal_event(line, "V1EndpointSlice")
+        time.sleep(0.05)
+
+    monkeypatch.setattr(watch.Watch, "stream", fake_stream)
+    pool = Pool("verifier")
+    w = EndpointSliceWatcher(pool, "llm", "crossdraft-verifier", api=api)
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    deadline = time.time() + 5
+    while len(api.calls) < 2 and time.time() < deadline:  # the ERROR forces a second LIST
+        time.sleep(0.02)
+    w.stop()
+    t.join(5)
+    assert len(api.calls) >= 2
+    assert api.calls[0] == ("llm", {"label_selector": "kubernetes.io/service-name=crossdraft-verifier"})
+    assert seen_kwargs[0]["resource_version"] == "104000" and seen_kwargs[0]["label_selector"].endswith("crossdraft-verifier")
+    # after the re-LIST the pool is the listed slice again
+    assert pool.addresses() == ["10.8.1.14:50062"]
+
+
+def test_static_pool_parsing():
+    assert static_pool("verifier", "a:1, b:2").addresses() == ["a:1", "b:2"]
+    assert static_pool("drafter", None) is None
+    with pytest.raises(ValueError, match="host:port"):
+        static_pool("verifier", "nohost")
+
+
+def test_placement_least_loaded_affinity_and_move():
+    pool = Pool("verifier", ["a:1", "b:1"])
+    made = []
+    pl = Placement(pool, None, lambda a: made.append(a) or f"client-{a}", None)
+    first, moved = pl.choose("verifier", None)
+    assert not moved
+    pl.acquire("verifier", first)
+    second, _ = pl.choose("verifier", None)
+    assert second != first  # least loaded
+    pl.acquire("verifier", second)
+    pl.acquire("verifier", second)
+    assert pl.choose("verifier", None)[0] == first
+    assert pl.choose("verifier", second) == (second, False)  # affinity beats load
+    pool.set([first])  # the session's pod is gone
+    assert pl.choose("verifier", second) == (first, True)
+    pool.set([])
+    assert pl.choose("verifier", first) == (None, True)
+    assert pl.client("verifier", "a:1") == "client-a:1" and pl.client("verifier", "a:1") == "client-a:1"
+    assert made == ["a:1"]  # one client per pod
+    assert pl.choose("drafter", None) == (None, False)  # no drafter pool: target-only
