@@ -51,3 +51,7 @@ class Unavailable(CrossdraftError):
 
 class ResourceExhausted(CrossdraftError):
     """A bounded resource (sessions, request size) is full."""
+
+
+class Unauthenticated(CrossdraftError):
+    """The caller did not present a valid credential."""

@@ -29,6 +29,7 @@ from crossdraft.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -46,6 +47,7 @@ _ERROR_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crossdraft.decode import Decoder, TokenPair
 from crossdraft.engine import DraftConfig
-from crossdraft.errors import CrossdraftError, InvalidArgument, Unavailable
+from crossdraft.errors import CrossdraftError, InvalidArgument, Unauthenticated, Unavailable
 from crossdraft.sampling import SamplingParams
 
 from .sessions import Session, SessionStore, check_session_id
@@ -50,6 +50,7 @@ class GatewayConfig:
     max_prompt_chars: int = 200_000  # longer prompts are rejected (HTTP 413 / INVALID_ARGUMENT)
     connect_timeout_s: float = 900.0  # wait this long at start for drafter/verifier to become healthy
     default_num_draft_tokens: int = 4  # initial block size
+    api_keys: frozenset = frozenset()  # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
 
 
 OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
@@ -131,6 +132,21 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
         _check_utf8(f"{field}[{i}].content", content)
         out.append({"role": role, "content": content})
     return out
+
+
+def check_api_key(cfg: GatewayConfig, authorization: str | None) -> None:
+    """Raise Unauthenticated unless keys are off or `authorization` is "Bearer <a configured key>"."""
+    if not cfg.api_keys:
+        return
+    import hmac
+
+    token = (authorization or "").strip()
+    if token[:7].lower() == "bearer ":
+        token = token[7:].strip()
+    else:
+        token = ""
+    if not token or not any(hmac.compare_digest(token, k) for k in cfg.api_keys):
+        raise Unauthenticated("authorization: missing or invalid API key (send 'Authorization: Bearer <key>')")
 
 
 class Metrics:

@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from crossdraft.errors import CrossdraftError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from crossdraft.errors import (CrossdraftError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                               Unauthenticated, Unavailable)
 
-from .core import OPTION_FIELDS
+from .core import OPTION_FIELDS, check_api_key
 
 MAX_BODY_BYTES = 4 << 20
 # REST field -> gateway option
@@ -47,6 +48,8 @@ def error_response(exc: Exception) -> JSONResponse:
         status, etype = 429, "rate_limit_error"
     elif isinstance(exc, Unavailable):
         status, etype = 503, "service_unavailable"
+    elif isinstance(exc, Unauthenticated):
+        status, etype, param = 401, "authentication_error", "authorization"
     elif not isinstance(exc, CrossdraftError):
         msg = f"internal error ({type(exc).__name__})"
     return JSONResponse({"error": {"message": msg, "type": etype, "param": param, "code": status}}, status_code=status)
@@ -307,7 +310,30 @@ def build_app(gw_ref, tracer=None) -> Starlette:
         return JSONResponse({"error": {"message": msg, "type": etype, "param": None, "code": exc.status_code}},
                             status_code=exc.status_code, headers=exc.headers)
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return _ApiKeyMiddleware(app, gw_ref)
+
+
+class _ApiKeyMiddleware:
+    """With API keys configured, /v1/* needs "Authorization: Bearer <key>" (health and metrics do not)."""
+
+    def __init__(self, app, gw_ref):
+        self.app = app
+        self.gw_ref = gw_ref
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            g = self.gw_ref()
+            if g is not None and g.cfg.api_keys:
+                auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+                try:
+                    check_api_key(g.cfg, auth)
+                except Unauthenticated as e:
+                    g.metrics.requests.labels("rest", "unauthenticated").inc()
+                    await error_response(e)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
 
 
 __all__ = ["build_app", "OPTION_FIELDS"]

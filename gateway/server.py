@@ -60,7 +60,8 @@ def config_from_args(a) -> GatewayConfig:
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                         max_new_tokens_limit=a.max_new_tokens_limit)
+                         max_new_tokens_limit=a.max_new_tokens_limit,
+                         api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",") if k.strip()))
 
 
 def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
 
-from .core import OPTION_FIELDS, Gateway
+from .core import OPTION_FIELDS, Gateway, check_api_key
 
 
 def options_from_proto(m) -> dict:
@@ -33,7 +33,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gw: Gateway):
         self.gw = gw
 
+    def _auth(self, context) -> None:
+        if self.gw.cfg.api_keys:
+            md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+            check_api_key(self.gw.cfg, md.get("authorization"))
+
     def Generate(self, request, context):
+        self._auth(context)
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         prompt = request.prompt if (request.prompt or not messages) else None
         try:
@@ -57,12 +63,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             job.close()
 
     def CreateSession(self, request, context):
+        self._auth(context)
         opts = options_from_proto(request.options) if request.HasField("options") else {}
         s = self.gw.create_session(opts, request.session_id or None)
         return gateway_pb2.CreateSessionResponse(session_id=s.session_id)
 
     def GetSession(self, request, context):
+        self._auth(context)
         return gateway_pb2.GetSessionResponse(session=session_to_proto(self.gw.get_session(request.session_id)))
 
     def DeleteSession(self, request, context):
+        self._auth(context)
         return gateway_pb2.DeleteSessionResponse(existed=self.gw.delete_session(request.session_id))

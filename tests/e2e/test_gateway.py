@@ -170,3 +170,32 @@ def test_health_and_reflection_on_every_service(stack):
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
             names = {s.name for r in resp for s in r.list_services_response.service}
             assert svc in names and "grpc.health.v1.Health" in names
+
+
+def test_api_keys_guard_rest_and_grpc(stack):
+    from tests.service_fixtures import gateway, wait_http_ready
+
+    g, http, grpc_addr = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, stack.log_dir,
+                                 env={"CROSSDRAFT_API_KEYS": "key-one, key-two"})
+    try:
+        wait_http_ready(http, g)
+        body = {"prompt": "abc", "max_tokens": 4}
+        r = requests.post(http + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["param"] == "authorization"
+        r = requests.post(http + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
+        assert r.status_code == 401
+        r = requests.post(http + "/v1/completions", json=body, headers={"Authorization": "Bearer key-two"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert requests.get(http + "/healthz", timeout=10).status_code == 200  # probes need no key
+        from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
+
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+            req = gateway_pb2.GenerateRequest(prompt="abc", options=gateway_pb2.GenerationOptions(max_new_tokens=4))
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Generate(req, timeout=60))
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = list(stub.Generate(req, timeout=60, metadata=[("authorization", "Bearer key-one")]))
+            assert out[-1].done.usage.completion_tokens == 4
+    finally:
+        g.stop()

@@ -356,7 +356,7 @@ def test_dockerignore_keeps_everything_the_images_copy():
     sources = _context_sources()
     assert {"requirements.lock", "pyproject.toml", "README.md", "proto", "crossdraft", "gateway"} <= sources
     checked = 0
-    for src in sorted(sources):
+    for src in sorted(sources - {".", "./"}):  # a whole-context COPY is the other test's business
         base = ROOT / src
         files = [base] if base.is_file() else [p for p in base.rglob("*") if p.is_file()]
         assert files, f"COPY source {src} is missing from the repository"

@@ -1,0 +1,535 @@
+"""The Helm chart (charts/crossdraft), rendered by the real Helm engine and checked against Kubernetes schemas.
+
+No cluster needed. Helm comes from scripts/get-helm.sh (cached under .cache/tools; HELM=/path overrides);
+if it cannot be had, these tests FAIL rather than skip. Manifests are validated offline with
+kubernetes-validate (strict: unknown fields are errors) for every Kubernetes version in K8S_VERSIONS.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kubernetes_validate  # test dependency: kubernetes-validate (offline Kubernetes schemas)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "crossdraft"
+GET_HELM = ROOT / "scripts" / "get-helm.sh"
+RELEASE, NAMESPACE = "cd", "crossdraft-test"
+FULL = f"{RELEASE}-crossdraft"
+K8S_VERSIONS = ("1.29.0", "1.32.0")
+
+# CRDs: no upstream schema in kubernetes-validate; checked by the assertions below instead.
+CRD_KINDS = {"ServiceMonitor"}
+
+H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+CHEAP_POOL = {"crossdraft.io/pool": "cheap-gpu"}
+OTEL_ENDPOINT = "http://otel-collector.observability:4317"
+
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "cpu": {"__file__": "values-cpu.yaml"},
+    "external-redis": {
+        "redis": {"external": {"existingSecret": "crossdraft-redis", "key": "url"}},
+        "gateway": {"apiKeys": {"existingSecret": "crossdraft-api-keys", "key": "keys"}},
+    },
+    "otel": {"otel": {"endpoint": OTEL_ENDPOINT, "protocol": "grpc"}},
+    "ingress-autoscaling": {
+        "drafter": {
+            "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                            "customMetric": {"name": "crossdraft_drafter_active_sessions", "targetAverageValue": "24"}},
+            "modelCache": {"existingClaim": "crossdraft-models"},
+        },
+        "verifier": {"replicaCount": 3, "pdb": {"minAvailable": 2},
+                     "modelCache": {"perPodClaim": {"enabled": True, "size": "80Gi", "storageClassName": "fast"}}},
+        "gateway": {
+            "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 12},
+            "ingress": {"enabled": True, "className": "nginx",
+                        "annotations": {"nginx.ingress.kubernetes.io/proxy-read-timeout": "3600"},
+                        "hosts": [{"host": "llm.example.com", "paths": [{"path": "/", "pathType": "Prefix"}]}],
+                        "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
+        },
+        "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
+        "networkPolicy": {"metricsNamespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    try:
+        out = subprocess.run(["bash", str(GET_HELM)], capture_output=True, text=True, timeout=600, check=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        pytest.fail(f"scripts/get-helm.sh could not provide helm: {e}\n{getattr(e, 'stderr', '')}")
+    path = out.stdout.strip().splitlines()[-1]
+    ver = subprocess.run([path, "version", "--short"], capture_output=True, text=True)
+    if ver.returncode != 0:
+        pytest.fail(f"{path} is not a working helm: {ver.stderr}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def variant_files(tmp_path_factory) -> dict[str, list[str]]:
+    """Variant name -> helm `-f` arguments."""
+    d = tmp_path_factory.mktemp("values")
+    args = {}
+    for name, values in VARIANTS.items():
+        if "__file__" in values:
+            args[name] = ["-f", str(CHART / values["__file__"])]
+        elif values:
+            p = d / f"{name}.yaml"
+            p.write_text(yaml.safe_dump(values))
+            args[name] = ["-f", str(p)]
+        else:
+            args[name] = []
+    return args
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@functools.lru_cache(maxsize=None)
+def _template(helm: str, extra: tuple[str, ...], kube_version: str) -> list[dict]:
+    r = _run([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version, *extra])
+    assert r.returncode == 0, f"helm template failed:\n{r.stderr}"
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+@pytest.fixture(scope="session")
+def render(helm, variant_files):
+    def _render(variant: str, kube_version: str = K8S_VERSIONS[-1]) -> list[dict]:
+        return _template(helm, tuple(variant_files[variant]), kube_version)
+    return _render
+
+
+def find(docs, kind, name=None) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name}, got {[d['metadata']['name'] for d in hits]}"
+    return hits[0]
+
+
+def kinds(docs) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def pod_spec(doc) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+def container(doc) -> dict:
+    (c,) = pod_spec(doc)["containers"]
+    return c
+
+
+def env_of(doc) -> dict[str, dict]:
+    return {e["name"]: e for e in container(doc).get("env", [])}
+
+
+def workloads(docs):
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def drafter(docs):
+    return find(docs, "Deployment", f"{FULL}-drafter")
+
+
+def verifier(docs):
+    return find(docs, "StatefulSet", f"{FULL}-verifier")
+
+
+def gateway(docs):
+    return find(docs, "Deployment", f"{FULL}-gateway")
+
+
+# ---------------------------------------------------------------------------------------------- lint + schema validation
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_helm_lint_clean(helm, variant_files, variant):
+    r = _run([helm, "lint", "--strict", str(CHART), "--namespace", NAMESPACE, *variant_files[variant]])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[ERROR]" not in r.stdout and "[WARNING]" not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("kube_version", K8S_VERSIONS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_manifests_valid_for_kubernetes(render, variant, kube_version):
+    assert kube_version in kubernetes_validate.utils.all_versions(), "kubernetes-validate lacks this version"
+    docs = render(variant, kube_version)
+    errors, checked = [], 0
+    for d in docs:
+        if d["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(d, kube_version, strict=True)
+            checked += 1
+        except Exception as e:  # ValidationError, SchemaNotFoundError, ...
+            errors.append(f"{d['kind']}/{d['metadata']['name']}: {getattr(e, 'message', e)}")
+    assert not errors, "\n".join(errors)
+    assert checked >= 15, f"only {checked} manifests validated"
+
+
+def test_crd_kinds_only_when_enabled(render):
+    assert not kinds(render("default")) & CRD_KINDS
+    sms = [d for d in render("ingress-autoscaling") if d["kind"] == "ServiceMonitor"]
+    assert {s["metadata"]["name"] for s in sms} == {f"{FULL}-drafter", f"{FULL}-verifier", f"{FULL}-gateway"}
+    for s in sms:
+        assert s["apiVersion"] == "monitoring.coreos.com/v1"
+        assert s["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        (ep,) = s["spec"]["endpoints"]
+        assert ep["port"] == ("http" if s["metadata"]["name"].endswith("gateway") else "metrics")
+        assert ep["path"] == "/metrics"
+
+
+# ---------------------------------------------------------------------------------------------- values schema
+
+
+@pytest.mark.parametrize("bad_set", [
+    "drafter.replicaCount=-1",
+    "gateway.replicaCount=-3",
+    "verifier.replicaCount=-1",
+    "drafter.unknownKey=1",
+    "unknownTopLevel=1",
+    "redis.external.url=redis://user:pw@host:6379",  # no plain-text URL knob: only existingSecret
+    "gateway.apiKeys.value=sk-plaintext",  # no plain-text API keys knob
+    "drafter.device=tpu",
+    "verifier.device=gpu",
+    "drafter.dtype=int4",
+    "drafter.gpu.count=-1",
+    "gateway.ports.http=70000",
+    "otel.endpoint=collector:4317",
+])
+def test_schema_rejects_bad_values(helm, bad_set):
+    for cmd in (["template", RELEASE], ["lint"]):
+        r = _run([helm, *cmd, str(CHART), "--set", bad_set])
+        assert r.returncode != 0, f"helm {cmd[0]} accepted --set {bad_set}"
+        assert "schema" in (r.stdout + r.stderr).lower() or "at '/" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_autoscaling_without_metric_is_rejected(helm):
+    r = _run([helm, "template", RELEASE, str(CHART), "--set", "gateway.autoscaling.enabled=true",
+              "--set", "gateway.autoscaling.targetCPUUtilizationPercentage=0"])
+    assert r.returncode != 0 and "targetCPUUtilizationPercentage or customMetric.name" in r.stderr
+
+
+def _undocumented_keys(path: Path) -> list[str]:
+    """Keys without a `# --` comment (helm-docs style). Children of a documented key are its value."""
+    missing, lines = [], path.read_text().splitlines()
+    skip_deeper_than = None
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z0-9_.\-/]+):(.*)$", line)
+        if not m or line.lstrip().startswith("#"):
+            continue
+        indent = len(m.group(1))
+        if skip_deeper_than is not None:
+            if indent > skip_deeper_than:
+                continue
+            skip_deeper_than = None
+        j, documented = i - 1, False
+        while j >= 0 and lines[j].strip().startswith("#"):
+            documented |= lines[j].strip().startswith("# --")
+            j -= 1
+        is_section = m.group(3).strip() == ""
+        if documented:
+            skip_deeper_than = indent
+        elif not is_section:
+            missing.append(f"{path.name}:{i + 1}: {line.strip()}")
+    return missing
+
+
+@pytest.mark.parametrize("name", ["values.yaml", "values-cpu.yaml"])
+def test_every_value_is_documented(name):
+    assert not _undocumented_keys(CHART / name)
+
+
+def test_chart_metadata():
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (meta["apiVersion"], meta["version"], str(meta["appVersion"])) == ("v2", "0.1.0", "0.1.0")
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert {"drafter", "verifier", "gateway", "redis", "otel"} <= set(values)
+
+
+# ---------------------------------------------------------------------------------------------- GPUs and node pools
+
+
+def test_gpu_pools_default(render):
+    docs = render("default")
+    d, v = drafter(docs), verifier(docs)
+    for doc, pool in ((d, CHEAP_POOL), (v, H100)):
+        res = container(doc)["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == 1 and res["limits"]["nvidia.com/gpu"] == 1
+        assert pod_spec(doc)["nodeSelector"] == pool
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(doc)["tolerations"]
+        assert env_of(doc)["CROSSDRAFT_DEVICE"]["value"] == "cuda"
+    for name in ("gateway", "redis"):
+        doc = next(w for w in workloads(docs) if w["metadata"]["name"] == f"{FULL}-{name}")
+        assert "nvidia.com/gpu" not in str(container(doc)["resources"])
+        assert "nodeSelector" not in pod_spec(doc)
+
+
+def test_cpu_variant_has_no_gpus(render):
+    docs = render("cpu")
+    for w in workloads(docs):
+        spec = pod_spec(w)
+        assert "nvidia.com/gpu" not in str(container(w)["resources"]), w["metadata"]["name"]
+        assert not spec.get("nodeSelector") and not spec.get("tolerations"), w["metadata"]["name"]
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm == {"drafter-model": "smollm2-135m", "verifier-model": "qwen2.5-coder-0.5b"}
+    for doc in (drafter(docs), verifier(docs)):
+        env = env_of(doc)
+        assert env["CROSSDRAFT_DEVICE"]["value"] == "cpu"
+        assert env["CROSSDRAFT_DTYPE"]["value"] in ("float32", "bfloat16")
+    # Single replicas: no PDB that would block node drains for the model servers.
+    assert {p["metadata"]["name"] for p in docs if p["kind"] == "PodDisruptionBudget"} == set()
+
+
+# ---------------------------------------------------------------------------------------------- probes, security, resources
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_probes_resources_security_everywhere(render, variant):
+    docs = render(variant)
+    assert {w["metadata"]["name"] for w in workloads(docs)} >= {f"{FULL}-drafter", f"{FULL}-verifier", f"{FULL}-gateway"}
+    for w in workloads(docs):
+        c, spec, name = container(w), pod_spec(w), w["metadata"]["name"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert probe in c, f"{name} lacks {probe}"
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], name
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, name
+        assert sc["capabilities"]["drop"] == ["ALL"], name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        tmp = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/tmp"]
+        assert "emptyDir" in {v["name"]: v for v in spec["volumes"]}[tmp], name
+
+
+def test_model_servers_use_grpc_probes(render):
+    docs = render("default")
+    for doc, port in ((drafter(docs), 50061), (verifier(docs), 50062)):
+        c = container(doc)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": port, "service": ""}
+        sp = c["startupProbe"]
+        assert sp["periodSeconds"] * sp["failureThreshold"] >= 20 * 60, "startup must cover model download + load"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": port, "metrics": 9090}
+        env = env_of(doc)
+        assert env["CROSSDRAFT_PORT"]["value"] == str(port) and env["CROSSDRAFT_METRICS_PORT"]["value"] == "9090"
+        assert env["CROSSDRAFT_HOST"]["value"] == "0.0.0.0" and env["CROSSDRAFT_HOME"]["value"] == "/models"
+        assert env["CROSSDRAFT_MODEL"]["valueFrom"]["configMapKeyRef"]["name"] == f"{FULL}-models"
+
+
+def test_gateway_uses_http_probes(render):
+    c = container(gateway(render("default")))
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 50051}
+
+
+# ---------------------------------------------------------------------------------------------- services and discovery
+
+
+@pytest.mark.parametrize("variant", ["default", "cpu"])
+def test_headless_services_and_gateway_discovery(render, variant):
+    docs = render(variant)
+    for comp, port in (("drafter", 50061), ("verifier", 50062)):
+        svc = find(docs, "Service", f"{FULL}-{comp}")
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": port, "metrics": 9090}
+        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == comp
+    assert verifier(docs)["spec"]["serviceName"] == f"{FULL}-verifier"
+    env = env_of(gateway(docs))
+    assert env["CROSSDRAFT_DISCOVERY"]["value"] == "kubernetes"
+    assert env["CROSSDRAFT_DRAFTER_SERVICE"]["value"] == f"{FULL}-drafter"
+    assert env["CROSSDRAFT_VERIFIER_SERVICE"]["value"] == f"{FULL}-verifier"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    gsvc = find(docs, "Service", f"{FULL}-gateway")["spec"]
+    assert gsvc["type"] == "ClusterIP" and "clusterIP" not in gsvc
+    assert {p["name"]: p["port"] for p in gsvc["ports"]} == {"http": 8000, "grpc": 50051}
+
+
+def test_model_choice_comes_from_configmap(render):
+    docs = render("default")
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm == {"drafter-model": "qwen2.5-coder-0.5b", "verifier-model": "qwen2.5-coder-1.5b"}
+    g = gateway(docs)
+    env = env_of(g)
+    assert env["CROSSDRAFT_TARGET_TOKENIZER"]["valueFrom"]["configMapKeyRef"]["key"] == "verifier-model"
+    assert env["CROSSDRAFT_DRAFTER_TOKENIZER"]["valueFrom"]["configMapKeyRef"]["key"] == "drafter-model"
+    assert container(g)["envFrom"] == [{"configMapRef": {"name": f"{FULL}-gateway-config"}}]
+    gcm = find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]
+    assert {"CROSSDRAFT_DEFAULT_TEMPERATURE", "CROSSDRAFT_DEFAULT_MAX_NEW_TOKENS", "CROSSDRAFT_DRAFTER_TIMEOUT_S",
+            "CROSSDRAFT_SESSION_TTL_S", "CROSSDRAFT_MAX_NEW_TOKENS_LIMIT"} <= set(gcm)
+
+
+# ---------------------------------------------------------------------------------------------- RBAC and service accounts
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_rbac_is_endpointslices_read_only(render, variant):
+    docs = render(variant)
+    assert not kinds(docs) & {"ClusterRole", "ClusterRoleBinding"}
+    role = find(docs, "Role", f"{FULL}-gateway")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    rb = find(docs, "RoleBinding", f"{FULL}-gateway")
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{FULL}-gateway"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{FULL}-gateway", "namespace": NAMESPACE}]
+    sas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert sas[f"{FULL}-gateway"]["automountServiceAccountToken"] is True
+    for comp in ("drafter", "verifier"):
+        assert sas[f"{FULL}-{comp}"]["automountServiceAccountToken"] is False
+    assert pod_spec(gateway(docs))["serviceAccountName"] == f"{FULL}-gateway"
+    for doc, comp in ((drafter(docs), "drafter"), (verifier(docs), "verifier")):
+        assert pod_spec(doc)["serviceAccountName"] == f"{FULL}-{comp}"
+        assert pod_spec(doc)["automountServiceAccountToken"] is False
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+
+SECRETISH = re.compile(r"(API_KEY|PASSWORD|SECRET|CREDENTIAL|(^|_)TOKEN$|^REDIS_URL$)", re.I)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_no_plain_text_secrets(render, variant):
+    docs = render(variant)
+    assert "Secret" not in kinds(docs), "the chart never creates Secrets: it references existing ones"
+    for w in workloads(docs):
+        for e in container(w).get("env", []):
+            if SECRETISH.search(e["name"]) and not (e["name"] == "REDIS_URL" and variant != "external-redis"):
+                assert "value" not in e and "secretKeyRef" in e["valueFrom"], (w["metadata"]["name"], e)
+    for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        for k, v in cm["data"].items():
+            assert not SECRETISH.search(k) and "redis" not in v.lower(), (cm["metadata"]["name"], k)
+    env = env_of(gateway(docs))
+    if variant == "external-redis":
+        assert "value" not in env["REDIS_URL"]
+        assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-redis", "key": "url"}
+        assert env["CROSSDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-api-keys", "key": "keys"}
+    else:
+        assert env["REDIS_URL"]["value"] == f"redis://{FULL}-redis:6379/0"  # bundled: no credentials in it
+        assert "CROSSDRAFT_API_KEYS" not in env
+
+
+def test_external_redis_skips_bundled_redis(render):
+    names = {(d["kind"], d["metadata"]["name"]) for d in render("external-redis")}
+    assert not {n for n in names if n[1] == f"{FULL}-redis"}
+    bundled = {(d["kind"], d["metadata"]["name"]) for d in render("default")}
+    assert {("StatefulSet", f"{FULL}-redis"), ("Service", f"{FULL}-redis"),
+            ("NetworkPolicy", f"{FULL}-redis")} <= bundled
+    redis = find(render("default"), "StatefulSet", f"{FULL}-redis")
+    image = container(redis)["image"]
+    assert re.fullmatch(r".*redis:7\.\d+\.\d+", image), image
+    assert "volumeClaimTemplates" not in redis["spec"]  # no persistence by default
+    persisted = find(render("ingress-autoscaling"), "StatefulSet", f"{FULL}-redis")
+    assert persisted["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
+
+
+# ---------------------------------------------------------------------------------------------- OTel
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_otel_env_only_when_endpoint_set(render, variant):
+    docs = render(variant)
+    for doc, comp in ((drafter(docs), "drafter"), (verifier(docs), "verifier"), (gateway(docs), "gateway")):
+        env = env_of(doc)
+        otel = {k for k in env if k.startswith("OTEL_")}
+        if variant == "otel":
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == OTEL_ENDPOINT
+            assert env["OTEL_TRACES_EXPORTER"]["value"] == "otlp"
+            assert env["OTEL_SERVICE_NAME"]["value"] == f"crossdraft-{comp}"
+        else:
+            assert not otel, (comp, otel)
+
+
+# ---------------------------------------------------------------------------------------------- HPA, ingress, PDB
+
+
+def test_ingress_and_autoscaling(render):
+    docs = render("ingress-autoscaling")
+    hpas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    assert set(hpas) == {f"{FULL}-drafter", f"{FULL}-gateway"}
+    assert all(h["apiVersion"] == "autoscaling/v2" for h in hpas.values())
+    dh = hpas[f"{FULL}-drafter"]["spec"]
+    assert dh["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-drafter"}
+    assert (dh["minReplicas"], dh["maxReplicas"]) == (2, 6)
+    assert {m["type"] for m in dh["metrics"]} == {"Resource", "Pods"}
+    assert "replicas" not in drafter(docs)["spec"] and "replicas" not in gateway(docs)["spec"]
+    ing = find(docs, "Ingress", f"{FULL}-gateway")
+    assert ing["apiVersion"] == "networking.k8s.io/v1" and ing["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": f"{FULL}-gateway", "port": {"name": "http"}}
+    assert ing["spec"]["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]
+    # Defaults: no HPA, no Ingress, fixed replicas.
+    default = render("default")
+    assert not kinds(default) & {"HorizontalPodAutoscaler", "Ingress"}
+    assert drafter(default)["spec"]["replicas"] == 2
+
+
+def test_pdbs_and_model_cache(render):
+    docs = render("default")
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {f"{FULL}-drafter", f"{FULL}-verifier", f"{FULL}-gateway"}
+    assert all(p["maxUnavailable"] == 1 for p in pdbs.values())
+    vol = {v["name"]: v for v in pod_spec(drafter(docs))["volumes"]}["models"]
+    assert vol["emptyDir"]["sizeLimit"] == "20Gi"
+    big = render("ingress-autoscaling")
+    assert find(big, "PodDisruptionBudget", f"{FULL}-verifier")["spec"] == {
+        "minAvailable": 2, "selector": {"matchLabels": {"app.kubernetes.io/name": "crossdraft",
+                                                        "app.kubernetes.io/instance": RELEASE,
+                                                        "app.kubernetes.io/component": "verifier"}}}
+    vol = {v["name"]: v for v in pod_spec(drafter(big))["volumes"]}["models"]
+    assert vol == {"name": "models", "persistentVolumeClaim": {"claimName": "crossdraft-models"}}
+    v = verifier(big)
+    assert "models" not in {x["name"] for x in pod_spec(v)["volumes"]}
+    (vct,) = v["spec"]["volumeClaimTemplates"]
+    assert vct["metadata"]["name"] == "models" and vct["spec"]["storageClassName"] == "fast"
+
+
+# ---------------------------------------------------------------------------------------------- network policies
+
+
+def _gateway_selector():
+    return {"app.kubernetes.io/name": "crossdraft", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "gateway"}
+
+
+def test_network_policies(render):
+    docs = render("default")
+    pols = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(pols) == {f"{FULL}-{c}" for c in ("drafter", "verifier", "redis", "gateway")}
+    for comp in ("drafter", "verifier"):
+        grpc_rule, metrics_rule = pols[f"{FULL}-{comp}"]["ingress"]
+        assert grpc_rule["from"] == [{"podSelector": {"matchLabels": _gateway_selector()}}]
+        assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+        assert metrics_rule == {"from": [{"podSelector": {}}], "ports": [{"port": "metrics", "protocol": "TCP"}]}
+    (redis_rule,) = pols[f"{FULL}-redis"]["ingress"]
+    assert redis_rule["from"] == [{"podSelector": {"matchLabels": _gateway_selector()}}]
+    (gw_rule,) = pols[f"{FULL}-gateway"]["ingress"]
+    assert "from" not in gw_rule and {p["port"] for p in gw_rule["ports"]} == {"http", "grpc"}
+    # A configurable metrics namespace.
+    big = {d["metadata"]["name"]: d["spec"] for d in render("ingress-autoscaling") if d["kind"] == "NetworkPolicy"}
+    assert big[f"{FULL}-verifier"]["ingress"][1]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_notes_show_how_to_connect(helm):
+    r = _run([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE])
+    assert r.returncode == 0, r.stderr
+    notes = r.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{FULL}-gateway 8000:http" in notes
+    assert f"port-forward svc/{FULL}-gateway 50051:grpc" in notes
+    assert "curl -s http://127.0.0.1:8000/v1/completions" in notes
