@@ -47,6 +47,7 @@ class GatewayConfig:
     verifier_timeout_s: float = 120.0  # deadline of one Verify call
     max_new_tokens_limit: int = 4096  # largest max_new_tokens accepted
     default_max_new_tokens: int = 64  # when a request gives none
+    default_temperature: float = 0.0  # when a request gives none (0 = greedy)
     max_prompt_chars: int = 200_000  # longer prompts are rejected (HTTP 413 / INVALID_ARGUMENT)
     connect_timeout_s: float = 900.0  # wait this long at start for drafter/verifier to become healthy
     default_num_draft_tokens: int = 4  # initial block size
@@ -306,7 +307,7 @@ class Job:
         merged.update(opts)
         self.opts = merged
         self.max_new_tokens = merged.get("max_new_tokens", gw.cfg.default_max_new_tokens)
-        self.params = SamplingParams(temperature=merged.get("temperature", 0.0), top_k=merged.get("top_k", 0),
+        self.params = SamplingParams(temperature=merged.get("temperature", gw.cfg.default_temperature), top_k=merged.get("top_k", 0),
                                      top_p=merged.get("top_p", 1.0), repetition_penalty=merged.get("repetition_penalty", 1.0))
         self.seed = merged.get("seed", 0 if self.params.greedy else random.getrandbits(62))
         k = merged.get("num_draft_tokens", gw.cfg.default_num_draft_tokens)

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-timeout-s", type=float, default=float(_env("DRAFTER_TIMEOUT_S", 10)))
     p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
+    p.add_argument("--default-max-new-tokens", type=int, default=int(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
+                   help="max_new_tokens when a request gives none")
+    p.add_argument("--default-temperature", type=float, default=float(_env("DEFAULT_TEMPERATURE", 0.0)),
+                   help="temperature when a request gives none (0 = greedy)")
     return p
 
 
@@ -50,6 +54,10 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("verifier_service", "is required with --discovery kubernetes")
     if not a.redis_url:
         raise InvalidArgument("redis_url", "is required (--redis-url or REDIS_URL)")
+    if not 1 <= a.default_max_new_tokens <= a.max_new_tokens_limit:
+        raise InvalidArgument("default_max_new_tokens", f"must be in [1, {a.max_new_tokens_limit}]")
+    if not a.default_temperature >= 0:
+        raise InvalidArgument("default_temperature", "must be >= 0")
     for name in ("http_port", "grpc_port"):
         v = getattr(a, name)
         if not 0 <= v < 65536:
@@ -61,6 +69,7 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          max_new_tokens_limit=a.max_new_tokens_limit,
+                         default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",") if k.strip()))
 
 
