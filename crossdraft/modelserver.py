@@ -101,7 +101,7 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     def load():
         try:
             device = parse_device(cfg.device)
-            dtype = cfg.dtype or fast_dtype(device)
+            dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
             loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)
             servicer.state.worker = make_worker(loaded)
             rpc.set_serving(health, ["", service_name], True)
