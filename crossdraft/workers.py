@@ -149,6 +149,17 @@ class _Worker:
             h.update(b"\x00" if b is None else len(b).to_bytes(2, "little") + b)
         return h.hexdigest()
 
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as Hugging Face files (save_pretrained), computed once."""
+        if getattr(self, "_tok_files", None) is None:
+            import tempfile
+            from pathlib import Path
+
+            with tempfile.TemporaryDirectory() as d:
+                self.loaded.tokenizer.save_pretrained(d)
+                self._tok_files = {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
+        return self._tok_files
+
     def cost(self, head_rows: int | None = None) -> tuple[int, int, int]:
         if self._cost is None:
             self._cost = cost_numbers(self.loaded.model)
@@ -156,12 +167,14 @@ class _Worker:
         return body, row, rows if head_rows is None else head_rows
 
     def info(self) -> dict:
+        if getattr(self, "_digest", None) is None:
+            self._digest = self.tokenizer_digest()
         body, row, rows = self.cost()
         return dict(
             model_name=self.loaded.name if getattr(self.loaded, "kind", "") == "catalog" else str(getattr(self.loaded, "path", self.loaded.name)),
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
-            eos_token_ids=sorted(self.loaded.eos_token_ids), max_sessions=self.cfg.max_sessions,
+            eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest, max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id,
         )
 

@@ -10,7 +10,7 @@ from prometheus_client import Counter, Histogram
 from crossdraft import wire
 from crossdraft.errors import InvalidArgument
 from crossdraft.modelserver import Loading
-from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc
+from crossdraft.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 DRAFT_TOKENS = Counter("crossdraft_drafter_tokens_total", "Draft tokens proposed")
 DRAFT_CALLS = Counter("crossdraft_drafter_draft_calls_total", "Draft RPCs")
@@ -34,6 +34,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.state = state or Loading()
         # fault injection for tests and drills: a slow drafter (seconds added per proposed token)
         self.delay_s = float(os.environ.get("CROSSDRAFT_FAULT_DRAFT_DELAY_S", "0") or 0)
+
+    def GetDrafterTokenizer(self, request, context):
+        w = self.state.get()
+        files = [common_pb2.TokenizerFile(name=n, content=c) for n, c in w.tokenizer_files().items()]
+        return drafter_pb2.GetDrafterTokenizerResponse(files=files, tokenizer_digest=w.info()["tokenizer_digest"])
 
     def GetDrafterInfo(self, request, context):
         return drafter_pb2.GetDrafterInfoResponse(info=wire.model_info_to_proto(self.state.get().info()))

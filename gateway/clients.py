@@ -85,6 +85,10 @@ class RemoteVerifier(_Remote):
         r = self._call("GetVerifierInfo", self.stub.GetVerifierInfo, verifier_pb2.GetVerifierInfoRequest(), 10)
         return wire.model_info_from_proto(r.info)
 
+    def tokenizer_files(self) -> tuple[dict[str, bytes], str]:
+        r = self._call("GetVerifierTokenizer", self.stub.GetVerifierTokenizer, verifier_pb2.GetVerifierTokenizerRequest(), 60)
+        return {f.name: f.content for f in r.files}, r.tokenizer_digest
+
     def sync(self, sid, ids):
         r = self._call("SyncVerifierSession", self.stub.SyncVerifierSession,
                        verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids))
@@ -118,6 +122,10 @@ class RemoteDrafter(_Remote):
     def _fetch_info(self) -> dict:
         r = self._call("GetDrafterInfo", self.stub.GetDrafterInfo, drafter_pb2.GetDrafterInfoRequest(), 10)
         return wire.model_info_from_proto(r.info)
+
+    def tokenizer_files(self) -> tuple[dict[str, bytes], str]:
+        r = self._call("GetDrafterTokenizer", self.stub.GetDrafterTokenizer, drafter_pb2.GetDrafterTokenizerRequest(), 60)
+        return {f.name: f.content for f in r.files}, r.tokenizer_digest
 
     def set_allowed(self, key, mask) -> int:
         mask = np.asarray(mask, dtype=bool)

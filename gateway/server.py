@@ -109,8 +109,10 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     vinfo = verifier.info()
     drafter = _first_healthy(placement, "drafter", cfg.connect_timeout_s) if dpool is not None else None
     dinfo = drafter.info() if drafter is not None else None
-    t_tok = load_tokenizer(cfg.target_tokenizer or vinfo["model_name"], progress=False)
-    d_tok = load_tokenizer(cfg.drafter_tokenizer or dinfo["model_name"], progress=False) if drafter else None
+    t_tok = load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer else _remote_tokenizer(verifier)
+    d_tok = None
+    if drafter:
+        d_tok = load_tokenizer(cfg.drafter_tokenizer, progress=False) if cfg.drafter_tokenizer else _remote_tokenizer(drafter)
     _check_digest(t_tok, vinfo, "target")
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
@@ -133,6 +135,34 @@ def _first_healthy(placement, kind: str, timeout_s: float):
         pool.wait_nonempty(1.0)
         time.sleep(0.2)
     raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({', '.join(pool.addresses()) or 'none known'})")
+
+
+def _remote_tokenizer(client):
+    """The model server's own tokenizer, fetched over gRPC (cached on disk by its digest)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from crossdraft.models import crossdraft_home
+
+    info = client.info()
+    digest = info["tokenizer_digest"] or "nodigest"
+    d = Path(crossdraft_home()) / "tokenizers" / digest[:32]
+    if not (d / ".complete").exists():
+        files, _ = client.tokenizer_files()
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            if "/" in name or name.startswith("."):
+                raise CrossdraftError(f"{client.who} sent a bad tokenizer file name {name!r}")
+            (tmp / name).write_bytes(content)
+        (tmp / ".complete").write_text("ok")
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
+    return AutoTokenizer.from_pretrained(str(d))
 
 
 def _eos(tok, info) -> set[int]:

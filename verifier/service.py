@@ -6,7 +6,7 @@ from prometheus_client import Counter, Histogram
 
 from crossdraft import wire
 from crossdraft.modelserver import Loading
-from crossdraft.v1 import verifier_pb2, verifier_pb2_grpc
+from crossdraft.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 VERIFY_CALLS = Counter("crossdraft_verifier_verify_calls_total", "Verify RPCs")
 DRAFTS = Counter("crossdraft_verifier_drafts_total", "Draft tokens verified")
@@ -19,6 +19,11 @@ SYNCS = Counter("crossdraft_verifier_syncs_total", "Session syncs (full historie
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, state: Loading | None = None):
         self.state = state or Loading()
+
+    def GetVerifierTokenizer(self, request, context):
+        w = self.state.get()
+        files = [common_pb2.TokenizerFile(name=n, content=c) for n, c in w.tokenizer_files().items()]
+        return verifier_pb2.GetVerifierTokenizerResponse(files=files, tokenizer_digest=w.info()["tokenizer_digest"])
 
     def GetVerifierInfo(self, request, context):
         return verifier_pb2.GetVerifierInfoResponse(info=wire.model_info_to_proto(self.state.get().info()))

@@ -199,3 +199,23 @@ def test_api_keys_guard_rest_and_grpc(stack):
             assert out[-1].done.usage.completion_tokens == 4
     finally:
         g.stop()
+
+
+def test_model_servers_hand_out_their_tokenizers(stack, tmp_path):
+    """The gateway tokenizes with the servers' own tokenizers (no model copy needed)."""
+    from transformers import AutoTokenizer
+
+    from crossdraft.vocab import token_bytes
+    from gateway.clients import RemoteDrafter, RemoteVerifier
+
+    for cls, addr in ((RemoteVerifier, stack.verifier_addr), (RemoteDrafter, stack.drafter_addr)):
+        c = cls(addr)
+        files, digest = c.tokenizer_files()
+        assert "tokenizer.json" in files and digest == c.info()["tokenizer_digest"] and len(digest) == 64
+        d = tmp_path / cls.__name__
+        d.mkdir()
+        for name, content in files.items():
+            (d / name).write_bytes(content)
+        tok = AutoTokenizer.from_pretrained(str(d))
+        assert len(token_bytes(tok)) > 100
+        c.close()
