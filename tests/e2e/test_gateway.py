@@ -219,3 +219,22 @@ def test_model_servers_hand_out_their_tokenizers(stack, tmp_path):
         tok = AutoTokenizer.from_pretrained(str(d))
         assert len(token_bytes(tok)) > 100
         c.close()
+
+
+def test_concurrent_requests_give_the_same_tokens_as_sequential_ones(stack):
+    """Six requests at once over both gateways (greedy and seeded sampling): each gets exactly the
+    tokens it gets alone -- sessions on the shared model servers do not interfere."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(PROMPTS[i % 3], dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.9, seed=i)) for i in range(6)]
+
+    def run(i):
+        prompt, kw = jobs[i]
+        addr = stack.grpc if i % 2 == 0 else stack.grpc2
+        with Client(addr) as c:
+            return c.generate(prompt, max_new_tokens=20, **kw).token_ids
+
+    alone = [run(i) for i in range(len(jobs))]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        together = list(ex.map(run, range(len(jobs))))
+    assert together == alone
