@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from . import sampling as S
-from . import vocab as V
 from .errors import FailedPrecondition, InvalidArgument
 from .sampling import SamplingParams, VerifyOutcome
 

@@ -77,6 +77,24 @@ class Loading:
         return self.worker
 
 
+def main(kind: str, default_port: int, service_name: str, servicer, make_worker, add_servicer, argv=None) -> int:
+    """`python -m drafter` / `python -m verifier`: parse flags, then :func:`serve`."""
+    import sys
+
+    from .workers import WorkerConfig
+
+    p = argparse.ArgumentParser(prog=f"python -m {kind}", description=f"crossdraft {kind} service (gRPC)")
+    add_arguments(p, default_port)
+    try:
+        cfg = config_from_args(p.parse_args(argv))
+    except InvalidArgument as e:
+        print(f"{kind}: error: {e}", file=sys.stderr)
+        return 2
+    wcfg = WorkerConfig(max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s)
+    return serve(kind, cfg, lambda loaded: make_worker(loaded, wcfg), lambda s: add_servicer(servicer, s),
+                 service_name, servicer)
+
+
 def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_name: str, servicer) -> int:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
     from . import rpc, telemetry

@@ -224,6 +224,14 @@ def _table(tokenizer) -> _Table:
     return table
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the tokenizer's id -> bytes table (ModelInfo.tokenizer_digest)."""
+    h = hashlib.sha256()
+    for b in token_bytes(tokenizer):
+        h.update(b"\x00" if b is None else len(b).to_bytes(2, "little") + b)
+    return h.hexdigest()
+
+
 def token_bytes(tokenizer) -> list[bytes | None]:
     """The bytes each id in ``range(len(tokenizer))`` stands for in the middle of a text.
 

@@ -13,7 +13,6 @@ translate messages to these calls, so both paths run the same code.
 from __future__ import annotations
 
 import array
-import hashlib
 import threading
 import time
 import uuid
@@ -22,7 +21,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .engine import AllowedSet, DraftToken, DrafterSession, TargetSession, cost_numbers
 from .errors import FailedPrecondition, InvalidArgument, NotFound
@@ -141,14 +139,6 @@ class _Worker:
     def _new_session(self, ids):
         raise NotImplementedError
 
-    def tokenizer_digest(self) -> str:
-        from .vocab import token_bytes
-
-        h = hashlib.sha256()
-        for b in token_bytes(self.loaded.tokenizer):
-            h.update(b"\x00" if b is None else len(b).to_bytes(2, "little") + b)
-        return h.hexdigest()
-
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as Hugging Face files (save_pretrained), computed once."""
         if getattr(self, "_tok_files", None) is None:
@@ -168,7 +158,9 @@ class _Worker:
 
     def info(self) -> dict:
         if getattr(self, "_digest", None) is None:
-            self._digest = self.tokenizer_digest()
+            from .vocab import tokenizer_digest
+
+            self._digest = tokenizer_digest(self.loaded.tokenizer)
         body, row, rows = self.cost()
         return dict(
             model_name=self.loaded.name if getattr(self.loaded, "kind", "") == "catalog" else str(getattr(self.loaded, "path", self.loaded.name)),

@@ -7,7 +7,6 @@ import contextlib
 import threading
 import logging
 import random
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -314,7 +313,7 @@ class Job:
         self.draft = DraftConfig(num_draft_tokens=k, adaptive=merged.get("adaptive_draft", True),
                                  max_draft_tokens=max(10, k))
         pl = gw.placement
-        self.v_addr, v_moved = pl.choose("verifier", session.verifier_address if session else None)
+        self.v_addr, _ = pl.choose("verifier", session.verifier_address if session else None)
         if self.v_addr is None:
             raise Unavailable("no ready verifier")
         self.use_drafter = merged.get("use_drafter", True) and gw.has_drafter
@@ -325,7 +324,6 @@ class Job:
             if self.d_addr is None:
                 self.use_drafter = False
                 self.no_drafter_reason = "no ready drafter"
-        self.moved = v_moved
         self.messages = None
         kind = "chat" if messages is not None else "text"
         if session is not None and session.kind and session.kind != kind:
@@ -386,6 +384,12 @@ class Job:
         status = "error"
         try:
             it = self.run
+            if self.session is not None:  # where this request's caches live
+                s = self.session
+                s.verifier_address = self.v_addr
+                s.verifier_instance = gw.placement.client("verifier", self.v_addr).instance_id
+                s.drafter_address = self.d_addr or ""
+                s.drafter_instance = gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""
             while True:
                 token = otel_context.attach(ctx) if ctx is not None else None
                 try:
@@ -400,10 +404,6 @@ class Job:
                     s.target_ids, s.round_index = ev.target_ids, ev.round_index + 1
                     if ev.drafter_ids is not None:
                         s.drafter_ids = ev.drafter_ids
-                    s.verifier_address = self.v_addr
-                    s.verifier_instance = gw.placement.client("verifier", self.v_addr).instance_id
-                    s.drafter_address = self.d_addr or ""
-                    s.drafter_instance = gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""
                     if not ev.done:
                         gw.store.save(s)  # one SET per round: a crash leaves the last whole round
                 if ev.text or ev.emitted:

@@ -79,7 +79,6 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
-    from crossdraft import rpc
     from crossdraft.decode import TokenPair
     from crossdraft.models import load_tokenizer
 
@@ -118,7 +117,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
         _check_digest(d_tok, dinfo, "drafter")
     pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
     store = SessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
-    return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=_eos(t_tok, vinfo),
+    return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
                    max_context=vinfo["max_context_tokens"])
 
 
@@ -165,23 +164,12 @@ def _remote_tokenizer(client):
     return AutoTokenizer.from_pretrained(str(d))
 
 
-def _eos(tok, info) -> set[int]:
-    eos = set(info["eos_token_ids"])
-    return eos
-
-
 def _check_digest(tok, info, who: str) -> None:
-    import hashlib
+    from crossdraft.vocab import tokenizer_digest
 
-    from crossdraft.vocab import token_bytes
-
-    h = hashlib.sha256()
-    for b in token_bytes(tok):
-        h.update(b"\x00" if b is None else len(b).to_bytes(2, "little") + b)
-    if info["tokenizer_digest"] and h.hexdigest() != info["tokenizer_digest"]:
+    if info["tokenizer_digest"] and tokenizer_digest(tok) != info["tokenizer_digest"]:
         raise CrossdraftError(f"the {who} tokenizer differs from the one the {who} server uses ({info['model_name']}); "
                               f"pass --{who}-tokenizer")
-
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
