@@ -220,16 +220,34 @@ class _ModelSession:
         self.ids: list[int] = list(ids)
         self.cache = new_cache(model)
         self.fed: list[int] = []
+        self.cache_repairs = 0  # forwards that found the cache out of step with ids (a bug if ever > 0)
 
     @property
     def cache_len(self) -> int:
         return cache_length(self.cache)
 
+    def _tail(self, extra: list[int]) -> tuple[int, list[int]]:
+        """(start, feed): the part of ids + extra that the cache does not hold yet.
+
+        The cache holds ``fed`` (a prefix of ids, possibly followed by proposals); a forward must
+        feed exactly what follows it -- never tokens that are already cached (that once made the
+        drafter re-feed its whole block at the wrong positions, O(k^2) work and a corrupted cache).
+        """
+        start = self.cache_len
+        seq = self.ids + list(extra)
+        if start >= len(seq) or len(self.fed) != start or self.fed != seq[:start]:
+            # cannot happen by construction; if it ever does, recompute rather than score a wrong context
+            self.cache_repairs += 1
+            keep = min(_lcp(self.fed, seq), start, len(seq) - 1)
+            crop_cache(self.cache, keep)
+            del self.fed[keep:]
+            start = self.cache_len
+        return start, seq[start:]
+
     @torch.inference_mode()
     def forward(self, extra: list[int], keep: int) -> torch.Tensor:
-        """Feed ids[cache_len:] + extra; return the last `keep` rows of logits [keep, V]."""
-        start = self.cache_len
-        feed = self.ids[start:] + list(extra)
+        """Feed (ids + extra)[cache_len:]; return the last `keep` rows of logits [keep, V]."""
+        start, feed = self._tail(extra)
         out = self.model(**self._inputs(start, feed), logits_to_keep=keep)
         self.fed = self.fed[:start] + feed
         return out.logits[0, -keep:, :]
@@ -375,6 +393,8 @@ class DraftBlock:
 class AllowedSet:
     """The drafter ids a drafter may propose, ascending, with the matching LM-head rows."""
 
+    prune_below = 0.9  # prune the LM head when the set keeps fewer than this share of its rows
+
     def __init__(self, model, mask: torch.Tensor | np.ndarray, device):
         mask = torch.as_tensor(np.asarray(mask, dtype=bool))
         self.ids = torch.nonzero(mask).flatten()  # [A] ascending drafter ids
@@ -384,7 +404,8 @@ class AllowedSet:
         # a pruned head pays off unless nearly every row is kept
         full = getattr(getattr(model, "lm_head", None), "weight", None)
         rows = full.shape[0] if full is not None else None
-        self.head = _pruned_head(model, self.ids_dev) if rows is None or self.ids.numel() < 0.9 * rows else None
+        prune = rows is None or self.ids.numel() < self.prune_below * rows
+        self.head = _pruned_head(model, self.ids_dev) if prune else None
         self.count = int(self.ids.numel())
 
 
@@ -401,8 +422,7 @@ class DrafterSession(_ModelSession):
         """Logits of the token after ids + props over the allowed ids only: [A] float32."""
         if allowed.head is None:
             return self.forward(props, keep=1)[0].float()[allowed.ids_dev]
-        start = self.cache_len
-        feed = (self.ids + props)[start:]
+        start, feed = self._tail(props)
         out = self.model.model(**self._inputs(start, feed))
         self.fed = self.fed[:start] + feed
         h = out.last_hidden_state[0, -1]
