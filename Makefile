@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run generate test test-fast bench clean
+.PHONY: venv protos models run generate test test-fast bench bench-smoke clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,12 @@ test-fast: venv
 
 bench: venv
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+# Quick check before any change to the decoding path (a few minutes): 2 prompts x 48 tokens, greedy,
+# target-only vs each drafter side by side; prints the speedup ratios (results in .cache/bench/).
+bench-smoke: venv
+	@for m in $(TARGET) qwen2.5-coder-0.5b smollm2-135m gemma3-270m; do $(BIN)/crossdraft models pull $$m >/dev/null || exit 1; done
+	$(BIN)/python benchmarks/bench.py --smoke --target $(TARGET) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -66,6 +66,47 @@ def humaneval_prompts(n: int) -> list[str]:
     return [rows[i * step]["prompt"] for i in range(n)]
 
 
+# Prompts a code model's users also send: prose, SQL, Chinese (whose tokens mostly lie outside an
+# English drafter's vocabulary -- a pair that cannot pay there must stop drafting, not slow down).
+MIXED_PROMPTS = [
+    ("code", "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists.\"\"\"\n"),
+    ("prose", "Write a short paragraph explaining why the sky is blue.\n\n"),
+    ("sql", "-- Table orders(id, customer_id, total, created_at)\n-- Total revenue per customer in 2024, highest first\nSELECT"),
+    ("chinese", "请用中文写一段话，介绍一下长城的历史。\n\n"),
+    ("code", "class LRUCache:\n    def __init__(self, capacity: int):\n"),
+    ("prose", "The three most important things to know about photosynthesis are"),
+    ("sql", "CREATE TABLE users (\n"),
+    ("chinese", "下面是一个计算斐波那契数列的Python函数，并附有中文注释：\n"),
+]
+
+
+def prompt_set(spec: str, n: int) -> list[tuple[str, str]]:
+    """(label, prompt) pairs: 'humaneval' (n spread over HumanEval), 'mixed' (n of MIXED_PROMPTS),
+    or 'humaneval+mixed' (n of each)."""
+    out: list[tuple[str, str]] = []
+    for part in spec.split("+"):
+        if part == "humaneval":
+            out += [("humaneval", p) for p in humaneval_prompts(n)]
+        elif part == "mixed":
+            out += MIXED_PROMPTS[:n]
+        elif part == "smoke":  # bench-smoke: one code prompt and one the English drafter cannot help with
+            out += [("humaneval", humaneval_prompts(8)[2]), MIXED_PROMPTS[3]]
+        else:
+            raise SystemExit(f"unknown prompt set {part!r}: use humaneval, mixed, smoke or a+b")
+    return out
+
+
+def git_commit() -> dict:
+    """The commit measured (and whether the decoding code had uncommitted changes)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    dirty = git("status", "--porcelain", "--", "crossdraft", "drafter", "verifier", "gateway")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty)}
+
+
 # ---- HF acceptance counters (wrapping the candidate generators of the installed transformers) ---
 
 HF_COUNTS = {"proposed": 0, "matched": 0}
@@ -143,7 +184,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--drafters", default="qwen2.5-coder-0.5b,smollm2-135m,gemma3-270m")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per prompt set")
+    ap.add_argument("--prompt-set", default="humaneval", help="humaneval | mixed | smoke | humaneval+mixed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="quick check before a change to the decoding path: 2 prompts x 48 tokens, greedy, no HF rows")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="greedy,sample")
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -156,9 +200,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="bench")
     a = ap.parse_args()
+    if a.smoke:
+        a.prompt_set, a.max_new_tokens, a.modes, a.no_hf = "smoke", 48, "greedy", True
+        if a.tag == "bench":
+            a.tag = "smoke"
+            a.out = str(ROOT / ".cache" / "bench")
 
     _install_hf_counters()
-    prompts = humaneval_prompts(a.prompts)
+    labelled = prompt_set(a.prompt_set, a.prompts)
+    prompts = [p for _, p in labelled]
+    a.prompt_labels = [lab for lab, _ in labelled]
     t0 = time.perf_counter()
     target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device))
     drafters = {}
@@ -210,6 +261,37 @@ def main() -> None:
                         run["logprob"] = mean_logprob(target, prompt_ids, run["token_ids"])
         write_results(a, rows, prompts, target, drafters)
     write_results(a, rows, prompts, target, drafters, final=True)
+    print()
+    print("\n".join(ratio_lines(rows, a.prompt_labels)))
+
+
+def ratio_lines(rows, labels) -> list[str]:
+    """Speedup vs target-only per mode, drafter and prompt (side by side, same run), plus the total."""
+    out = ["| mode | method | drafter | " + " | ".join(f"p{i} {lab}" for i, lab in enumerate(labels)) + " | all | identical |",
+           "|---|---|---|" + "---:|" * (len(labels) + 1) + "---|"]
+    for (mode, method, drafter), r in rows.items():
+        if method == "target-only":
+            continue
+        base = rows.get((mode, "target-only", None))
+        if base is None:
+            continue
+        ref = {x["prompt"]: x for x in base["runs"]}
+        cells, toks, secs, btoks, bsecs, same = [], 0, 0.0, 0, 0.0, 0
+        by = {x["prompt"]: x for x in r["runs"]}
+        for i in range(len(labels)):
+            x, b = by.get(i), ref.get(i)
+            if x is None or b is None or not x["seconds"] == x["seconds"] or not x["tokens"]:
+                cells.append("-")
+                continue
+            ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
+            acc = f" ({x['accepted']}/{x['drafted']})" if "drafted" in x else ""
+            cells.append(f"{ratio:.2f}x{acc}")
+            toks, secs, btoks, bsecs = toks + x["tokens"], secs + x["seconds"], btoks + b["tokens"], bsecs + b["seconds"]
+            same += x["token_ids"] == b["token_ids"]
+        total = f"{(toks / secs) / (btoks / bsecs):.2f}x" if secs and bsecs else "-"
+        ident = f"{same}/{len(r['runs'])}" if mode == "greedy" else "n/a"
+        out.append(f"| {mode} | {method} | {drafter} | " + " | ".join(cells) + f" | {total} | {ident} |")
+    return out
 
 
 def summarize(rows):
@@ -294,6 +376,9 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature,
         "num_draft_tokens": a.num_draft_tokens,
+        "prompt_set": a.prompt_set,
+        "prompt_labels": a.prompt_labels,
+        **git_commit(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}",
         "cpu": _cpu_name(),
     }
@@ -313,6 +398,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         lines.append(f"| {r['mode']} | {r['method']} | {r['drafter'] or '-'} | {r['tokens_per_s']:.2f} | "
                      f"{r.get('speedup_vs_target_only', 1.0):.2f}x | {r.get('ratio_to_hf', float('nan')):.2f}x | "
                      f"{r.get('acceptance_rate', float('nan')):.1%} | {fid} |")
+    lines += ["", "Speedup vs target-only per prompt (accepted/drafted):", ""] + ratio_lines(rows, a.prompt_labels)
     (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -156,7 +156,7 @@ class Decoder:
         self.check = check_context
         self.drafter_timeout_s = drafter_timeout_s
         self._mask_sent: set[str] = set()
-        self._ratio: dict[str, float] = {}
+        self._ratio: dict[tuple, tuple] = {}
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -168,11 +168,25 @@ class Decoder:
             self.drafter.set_allowed(key, self.pair.masks[mode])
             self._mask_sent.add(key)
 
-    def _cost_ratio(self, mode: str) -> float:
-        if mode not in self._ratio:
+    def _policy(self, mode: str, draft: DraftConfig, params: SamplingParams) -> tuple[DraftPolicy, float]:
+        """The draft-length policy of one request, and the measured seconds of one target step
+        (0.0 with static costs). See DraftPolicy for measured vs static costs."""
+        measured = draft.cost_model == "measured" or (draft.cost_model == "auto" and params.greedy)
+        key = (mode, measured)
+        if key not in self._ratio:
             rows = int(self.pair.masks[mode].sum())
-            self._ratio[mode] = cost_ratio(self.drafter.cost(rows), self.verifier.cost())
-        return self._ratio[mode]
+            dcost = self.drafter.cost(rows)
+            inputs = (cost_ratio(dcost, self.verifier.cost()), None, 0.0)
+            vt = self.verifier.timings() if measured else []
+            dt = self.drafter.timings() if measured else []
+            if vt and dt and vt[0] > 0:
+                # the drafter's step: its measured 1-token forward, scaled to the pruned head's bytes
+                body, row, all_rows = self.drafter.cost()
+                frac = (body + row * rows) / max(1, body + row * all_rows)
+                inputs = (dt[0] * frac / vt[0], list(vt), vt[0] / 1000.0)
+            self._ratio[key] = inputs
+        c, vt, step_s = self._ratio[key]
+        return DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None), step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed):
         try:
@@ -247,20 +261,22 @@ class Decoder:
                 self._send_mask(mode)
                 reused_d, _ = self.drafter.sync(sid, d_ids)
                 stats.reused_drafter_tokens = reused_d
-                policy = DraftPolicy(draft, self._cost_ratio(mode))
+                policy, step_s = self._policy(mode, draft, params)
+                stats.cost_model = "measured" if policy.measured else "static"
             except Unavailable as e:
                 spec = False
                 stats.drafter_fallback, stats.fallback_reason = True, str(e)
             d = {"ids": d_ids, "sent": len(d_ids), "prompt_len": len(d_ids), "gen_lens": []}
             run.drafter_ids = d_ids
         if not spec:
-            policy = DraftPolicy(draft, 1.0)
+            policy, step_s = DraftPolicy(draft, 1.0), 0.0
         gen: list[int] = []
         gen_bytes = bytearray()
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         k = draft.num_draft_tokens
         round_index = round_start
         first = True
+        prev_drafted = False
         while True:
             cm = round_scope(round_index) if round_scope is not None else None
             record = cm.__enter__() if cm is not None else None
@@ -295,7 +311,10 @@ class Decoder:
                 else:
                     d_prop = []
                 kd = len(drafts_t)
+                draft_wall = time.perf_counter() - t_round
+                t_verify = time.perf_counter()
                 res = self._verify(sid, t_ids, drafts_t, q_rows, round_index, params, seed)
+                verify_wall = time.perf_counter() - t_verify
                 n = res.num_accepted
                 emitted = list(drafts_t[:n]) + [res.next_token]
                 if first:
@@ -304,6 +323,10 @@ class Decoder:
                     stats.verify_s += res.forward_s
                     if spec:
                         policy.observe(kd, n)
+                        # wall-clock corrections (measured costs only); a probe after skipped
+                        # rounds also feeds the drafter what it missed, so its time says little
+                        policy.observe_time(len(toks) if prev_drafted else 0, draft_wall, kd + 1, verify_wall, step_s)
+                prev_drafted = len(toks) > 0
                 first = False
                 stats.record_round(kd, n)
                 if spec and kd == 0 and remaining > 1:

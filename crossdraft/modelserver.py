@@ -121,7 +121,11 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
             loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)
-            servicer.state.worker = make_worker(loaded)
+            worker = make_worker(loaded)
+            ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
+            if ms:
+                print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms", flush=True)
+            servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
             print(f"crossdraft {kind}: serving {loaded.name} ({dtype}) on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible

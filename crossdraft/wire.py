@@ -36,7 +36,8 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
     return dict(model_name=m.model_name, vocab_size=m.vocab_size, tokenizer_digest=m.tokenizer_digest, dtype=m.dtype,
                 device=m.device, body_bytes=m.body_bytes, head_row_bytes=m.head_row_bytes,
                 max_context_tokens=m.max_context_tokens, eos_token_ids=list(m.eos_token_ids),
-                max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id)
+                max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
+                forward_ms=[float(x) for x in m.forward_ms])
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

@@ -135,6 +135,7 @@ class _Worker:
         limit = getattr(loaded.model.config, "max_position_embeddings", 0) or 0
         self.max_context = min(x for x in (limit, self.cfg.max_context_tokens) if x) if (limit or self.cfg.max_context_tokens) else 0
         self._cost = None
+        self._timings: list[float] | None = None
 
     def _new_session(self, ids):
         raise NotImplementedError
@@ -156,6 +157,17 @@ class _Worker:
         body, row, rows = self._cost
         return body, row, rows if head_rows is None else head_rows
 
+    def timings(self) -> list[float]:
+        """Measured ms of one forward of 1..M tokens (crossdraft.costs); [] when measuring is off."""
+        if self._timings is None:
+            from . import costs
+
+            with self.lock:
+                if self._timings is None:
+                    m = costs.VERIFIER_MAX if self.kind == "verifier" else costs.DRAFTER_MAX
+                    self._timings = costs.forward_ms(self.loaded, m)
+        return self._timings
+
     def info(self) -> dict:
         if getattr(self, "_digest", None) is None:
             from .vocab import tokenizer_digest
@@ -167,7 +179,7 @@ class _Worker:
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest, max_sessions=self.cfg.max_sessions,
-            active_sessions=len(self.sessions), instance_id=self.instance_id,
+            active_sessions=len(self.sessions), instance_id=self.instance_id, forward_ms=self.timings(),
         )
 
     def _get(self, sid: str):

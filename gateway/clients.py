@@ -69,6 +69,9 @@ class _Remote:
         i = self.info()
         return int(i["body_bytes"]), int(i["head_row_bytes"]), int(i["vocab_size"] if head_rows is None else head_rows)
 
+    def timings(self) -> list[float]:
+        return list(self.info().get("forward_ms", []))
+
     def close(self) -> None:
         self.channel.close()
 

@@ -1,0 +1,146 @@
+"""Measured forward costs: how long one forward of m tokens takes on this machine.
+
+Whether drafting pays depends on three numbers: the drafter's cost per token, the target's cost
+of one decoding step, and how much more the target's forward costs when it scores a block of m
+tokens instead of one. The last one is where hardware differs most. On a GPU, or a CPU with
+native bf16, a forward of 9 tokens costs about as much as one of 1 (memory-bound). On a CPU
+computing in fp32 it does not: measured on a 2-vCPU Intel Xeon (AVX512, no bf16), torch 2.13,
+Qwen2.5-Coder-1.5B: 1 token 324 ms, 3 tokens 324 ms, 5 tokens 644 ms, 9 tokens 893 ms (BLAS picks
+a slower kernel beyond ~3 rows). A weight-bytes estimate cannot see that, so the model servers
+time their own forwards once (at load; cached on disk per model, dtype, device, thread count
+and CPU) and report the table; the draft-length policy reads costs from it.
+
+``CROSSDRAFT_COST_PROFILE=static`` turns measuring off (the policy then uses the weight-bytes
+estimate alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 11)  # tokens per forward that are timed; others are interpolated
+VERIFIER_MAX = 17  # the table covers forwards of 1..VERIFIER_MAX tokens (beyond: extrapolated)
+DRAFTER_MAX = 2
+CONTEXT = 128  # tokens already cached when timing
+_ENV = "CROSSDRAFT_COST_PROFILE"
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENV, "measure").strip().lower() not in ("static", "off", "0", "no", "false")
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@torch.inference_mode()
+def measure(model, device, max_tokens: int, reps: int = 3) -> list[float]:
+    """Milliseconds of one forward of m = 1..max_tokens tokens after CONTEXT cached tokens.
+
+    Sizes in SIZES are timed (one warm-up, then the median of `reps`, interleaved so that a
+    slow moment of a shared machine hits every size alike); the rest is interpolated linearly
+    and the table made non-decreasing.
+    """
+    from .engine import crop_cache, new_cache
+
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, min(vocab, 30000), (1, CONTEXT), generator=g).to(device)
+    cache = new_cache(model)
+    model(input_ids=ctx, position_ids=torch.arange(CONTEXT, device=device).unsqueeze(0), past_key_values=cache,
+          use_cache=True, logits_to_keep=1)
+    sizes = [m for m in SIZES if m <= max_tokens] or [1]
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    for r in range(reps + 1):
+        for m in sizes:
+            x = torch.randint(0, min(vocab, 30000), (1, m), generator=g).to(device)
+            pos = torch.arange(CONTEXT, CONTEXT + m, device=device).unsqueeze(0)
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=m)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            crop_cache(cache, CONTEXT)
+            if r:  # the first pass warms every shape up
+                times[m].append(dt * 1000.0)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    out = []
+    for m in range(1, max_tokens + 1):
+        lo = max([s for s in sizes if s <= m], default=sizes[0])
+        hi = min([s for s in sizes if s >= m], default=sizes[-1])
+        if lo == hi:
+            v = med[lo]
+        else:
+            v = med[lo] + (med[hi] - med[lo]) * (m - lo) / (hi - lo)
+        if m > sizes[-1] and len(sizes) > 1:  # extrapolate from the last two timed sizes
+            a, b = sizes[-2], sizes[-1]
+            v = med[b] + max(0.0, (med[b] - med[a]) / (b - a)) * (m - b)
+        out.append(v)
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1])
+    return [round(v, 3) for v in out]
+
+
+def _cache_key(loaded, max_tokens: int) -> str | None:
+    path = getattr(loaded, "path", None)
+    if path is None:
+        return None  # an in-memory model (tests): nothing stable to key a cache on
+    try:
+        st = os.stat(path)
+        ident = f"{path}|{st.st_size}|{int(st.st_mtime)}"
+    except OSError:
+        return None
+    parts = [ident, str(loaded.dtype), str(loaded.device), torch.__version__, str(torch.get_num_threads()),
+             _cpu_name() if str(loaded.device).startswith("cpu") else torch.cuda.get_device_name(loaded.device)
+             if torch.cuda.is_available() and str(loaded.device).startswith("cuda") else str(loaded.device),
+             str(SIZES), str(CONTEXT), str(max_tokens)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def forward_ms(loaded, max_tokens: int) -> list[float]:
+    """The cost table of a loaded model (measured, or read from the on-disk cache); [] if disabled."""
+    if not enabled():
+        return []
+    key = _cache_key(loaded, max_tokens)
+    path = None
+    if key is not None:
+        from .models import crossdraft_home
+
+        path = crossdraft_home() / "costs" / f"{key}.json"
+        try:
+            data = json.loads(path.read_text())
+            if isinstance(data.get("forward_ms"), list) and len(data["forward_ms"]) == max_tokens:
+                return [float(x) for x in data["forward_ms"]]
+        except (OSError, ValueError, AttributeError):
+            pass
+    table = measure(loaded.model, loaded.device, max_tokens)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"model": str(getattr(loaded, "path", "")), "dtype": str(loaded.dtype),
+                                       "device": str(loaded.device), "threads": torch.get_num_threads(),
+                                       "cpu": _cpu_name(), "forward_ms": table}))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return table
