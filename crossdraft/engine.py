@@ -118,6 +118,8 @@ class DraftPolicy:
             d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
+            if n == k:  # a whole block accepted: drafting pays here again, probe at the usual pace
+                self.interval = self.probe_every
 
     def vcost(self, m: int) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
@@ -165,12 +167,15 @@ class DraftPolicy:
             self.skipped += 1
             self.wait -= 1
             if self.wait <= 0:
+                # the text may have changed since alpha was last measured: let the probe's own
+                # outcome dominate (a light, pessimistic prior of weight 1) instead of nudging a stale estimate
                 self.probing = True
-                return cfg.min_draft_tokens
+                self.succ, self.trials = 0.3, 1.0
+                return min(self.hi, max(cfg.min_draft_tokens, 2))
             return 0
         self.skipped = 0
         self.probing = False
-        self.interval = self.wait = self.probe_every
+        self.wait = self.interval
         return best
 
 

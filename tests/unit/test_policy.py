@@ -1,0 +1,93 @@
+"""The draft-length policy: it drafts where drafting pays and stops (probing rarely) where it cannot.
+
+Pure policy arithmetic, no models: acceptance outcomes are fed in as a drafter that never / always
+matches would produce them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from crossdraft.engine import DraftConfig, DraftPolicy
+from crossdraft.errors import InvalidArgument
+
+# a CPU-like table: 1..3 tokens cost one step, 5 tokens twice that (measured shape, fp32 BLAS)
+CPU_TABLE = [324, 334, 334, 500, 644, 700, 760, 820, 893, 910, 930]
+FLAT_TABLE = [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]  # GPU-like: memory-bound
+
+
+def _run(policy: DraftPolicy, rounds: int, accept) -> list[int]:
+    ks = []
+    k = policy.cfg.num_draft_tokens
+    for _ in range(rounds):
+        ks.append(k)
+        n = accept(k)
+        policy.observe(k, n)
+        k = policy.next_k()
+    return ks
+
+
+def test_zero_acceptance_stops_within_a_few_rounds_and_probes_rarely():
+    p = DraftPolicy(DraftConfig(), 0.14, verify_costs=CPU_TABLE, measured=True)
+    ks = _run(p, 200, lambda k: 0)
+    first_skip = ks.index(0)
+    assert first_skip <= 4
+    drafted = sum(ks)
+    assert drafted <= sum(ks[:first_skip]) + 20  # probes of 2 tokens, backing off to every 48 rounds
+    probes = [i for i, k in enumerate(ks) if i > first_skip and k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == DraftPolicy.max_probe_every
+
+
+def test_high_acceptance_drafts_and_the_table_shapes_k():
+    cheap = DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, measured=True)
+    costly = DraftPolicy(DraftConfig(), 0.14, verify_costs=CPU_TABLE, measured=True)
+    ks_cheap = _run(cheap, 40, lambda k: (k * 7) // 10)
+    ks_costly = _run(costly, 40, lambda k: (k * 7) // 10)
+    assert min(ks_cheap[5:]) > max(ks_costly[5:])  # flat verification cost: longer blocks
+    assert 0 < min(ks_costly[5:]) and max(ks_costly[5:]) <= 3  # past 3 tokens the target's forward doubles
+
+
+def test_a_drafter_nearly_as_costly_as_the_target_does_not_draft_at_moderate_acceptance():
+    p = DraftPolicy(DraftConfig(), 0.9, verify_costs=CPU_TABLE, measured=True)
+    ks = _run(p, 30, lambda k: (k + 1) // 2)
+    assert sum(1 for k in ks[3:] if k) <= 3
+
+
+def test_recovers_after_the_text_turns_draftable():
+    p = DraftPolicy(DraftConfig(), 0.14, verify_costs=CPU_TABLE, measured=True)
+    _run(p, 30, lambda k: 0)
+    ks = _run(p, 80, lambda k: k)
+    assert all(k > 0 for k in ks[-20:])
+
+
+def test_online_correction_sees_a_slow_drafter():
+    """Measured costs said the drafter is cheap; the rounds' wall-clock times say it is not."""
+    p = DraftPolicy(DraftConfig(), 0.14, verify_costs=CPU_TABLE, measured=True)
+    step_s = CPU_TABLE[0] / 1000
+    ks = []
+    k = 4
+    for _ in range(40):
+        ks.append(k)
+        n = (k * 6) // 10
+        p.observe(k, n)
+        if k:
+            p.observe_time(k, k * 0.9 * step_s, k + 1, CPU_TABLE[k] / 1000, step_s)  # drafter steps cost 0.9 steps
+        else:
+            p.observe_time(0, 0.0, 1, CPU_TABLE[0] / 1000, step_s)
+        k = p.next_k()
+    assert p.scale_d > 4
+    assert sum(1 for k in ks[10:] if k) <= 3
+
+
+def test_static_costs_ignore_wall_clock():
+    p = DraftPolicy(DraftConfig(), 0.2)
+    before = p.rate(3)
+    p.observe_time(3, 10.0, 4, 10.0, 0.1)
+    assert p.rate(3) == before and not p.measured
+
+
+def test_bad_cost_model_is_refused():
+    with pytest.raises(InvalidArgument) as e:
+        DraftConfig(cost_model="fast")
+    assert e.value.field == "cost_model"
