@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench import _cpu_name, humaneval_prompts  # noqa: E402
+from bench import _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 from crossdraft import models as M  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
 from crossdraft.redis_server import RedisServer  # noqa: E402
@@ -424,7 +424,7 @@ def write_results(a, results, rest, prof, target, threads) -> None:
         "target_dtype_loaded": str(target.dtype), "torch_threads": threads,
         "services": "redis-server + drafter + verifier + gateway processes on 127.0.0.1, OMP_NUM_THREADS="
                     f"{threads} for the model services; one fresh gateway session per request",
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}", "cpu": _cpu_name(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}", "cpu": _cpu_name(), **git_commit(),
         "target_overhead": f"<= {TARGET_OVERHEAD_MS} ms per round and <= {TARGET_OVERHEAD_SHARE:.0%} of the round time",
     }
     summary = {"in_process": sa, "distributed_grpc": sb, "distributed_minus_in_process": diff,

@@ -5,6 +5,7 @@ as the reference."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,22 @@ import pytest
 from crossdraft.redis_server import RedisServer
 from tests.service_fixtures import (Proc, gateway, model_server, save_tiny_pair, wait_grpc_healthy,
                                     wait_http_ready)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def static_costs():
+    """These tests compare the services' round statistics (blocks drafted, accepted, rounds) with
+    the in-process engine's and across requests. With measured costs (the default for greedy)
+    every process times its own forwards and corrects them by the clock, so it may pick other
+    block sizes -- the same tokens, other counts. Static costs make the counts comparable; the
+    measured path has its own tests (tests/unit/test_costs.py)."""
+    old = os.environ.get("CROSSDRAFT_COST_PROFILE")
+    os.environ["CROSSDRAFT_COST_PROFILE"] = "static"
+    yield
+    if old is None:
+        os.environ.pop("CROSSDRAFT_COST_PROFILE", None)
+    else:
+        os.environ["CROSSDRAFT_COST_PROFILE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,16 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
 N = 24
 
 
+@pytest.fixture(scope="module", autouse=True)
+def static_costs():
+    """Round statistics are compared with the in-process engine's: static costs make them
+    comparable (measured costs may pick other block sizes -- the same tokens, other counts)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CROSSDRAFT_COST_PROFILE", "static")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def engine():
     return Engine(M.load_model(TARGET, dtype=torch.float32), M.load_model(DRAFTER, dtype=torch.float32))

@@ -1,0 +1,76 @@
+"""Measured forward costs (crossdraft.costs) and the policy's choice of measured vs static costs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from crossdraft import costs, wire
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.sampling import SamplingParams
+from tests.tiny_models import tiny_lm
+from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_lm(bytelevel_bpe_tokenizer(), seed=1, arch="qwen2"), tiny_lm(sentencepiece_like_tokenizer(), seed=2)
+
+
+def test_measure_gives_a_non_decreasing_table(pair):
+    target, _ = pair
+    table = costs.measure(target.model, target.device, 13, reps=1)
+    assert len(table) == 13 and all(t > 0 for t in table)
+    assert all(b >= a for a, b in zip(table, table[1:]))
+
+
+def test_table_is_cached_on_disk_per_model_file(pair, tmp_path, monkeypatch):
+    target, _ = pair
+    monkeypatch.setenv("CROSSDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"weights")
+    loaded = SimpleNamespace(model=target.model, device=target.device, dtype=torch.float32, path=f)
+    first = costs.forward_ms(loaded, 5)
+    assert len(first) == 5 and list((tmp_path / "home" / "costs").glob("*.json"))
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again instead of reading the cache"))
+    assert costs.forward_ms(loaded, 5) == first
+    f.write_bytes(b"other weights, other size")  # another model file: another key
+    with pytest.raises(pytest.fail.Exception):
+        costs.forward_ms(loaded, 5)
+
+
+def test_static_profile_turns_measuring_off(pair, monkeypatch):
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "static")
+    target, _ = pair
+    loaded = SimpleNamespace(model=target.model, device=target.device, dtype=torch.float32, path=None)
+    assert costs.forward_ms(loaded, 5) == []
+
+
+def test_model_info_carries_the_table():
+    info = dict(model_name="m", vocab_size=10, tokenizer_digest="d", dtype="float32", device="cpu", body_bytes=1,
+                head_row_bytes=2, max_context_tokens=3, eos_token_ids=[1], max_sessions=4, active_sessions=0,
+                instance_id="i", forward_ms=[1.5, 2.25, 4.0])
+    back = wire.model_info_from_proto(wire.model_info_to_proto(info))
+    assert back["forward_ms"] == [1.5, 2.25, 4.0]
+
+
+@pytest.mark.parametrize("profile", ["measure", "static"])
+def test_greedy_uses_measured_costs_sampling_static(pair, tmp_path, monkeypatch, profile):
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", profile)
+    target, drafter = pair
+    eng = Engine(target, drafter, vocab_cache_dir=tmp_path)
+    prompt = "def add(a, b):\n    return"
+    ref = eng.generate(prompt, max_new_tokens=30, use_drafter=False)
+    out = eng.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == ref.token_ids  # whatever k the costs pick, greedy is the target's output
+    assert out.stats.cost_model == ("measured" if profile == "measure" else "static")
+    assert eng.verifier.info()["forward_ms"] == ([] if profile == "static" else eng.verifier.timings())
+    s1 = eng.generate(prompt, max_new_tokens=20, params=SamplingParams(temperature=0.9), seed=4)
+    s2 = eng.generate(prompt, max_new_tokens=20, params=SamplingParams(temperature=0.9), seed=4)
+    assert s1.stats.cost_model == "static" and s1.token_ids == s2.token_ids
+    forced = eng.generate(prompt, max_new_tokens=20, params=SamplingParams(temperature=0.9), seed=4,
+                          draft=DraftConfig(cost_model="measured"))
+    assert forced.stats.cost_model == ("measured" if profile == "measure" else "static")
