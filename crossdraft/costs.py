@@ -109,9 +109,14 @@ def _cache_key(loaded, max_tokens: int) -> str | None:
         ident = f"{path}|{st.st_size}|{int(st.st_mtime)}"
     except OSError:
         return None
-    parts = [ident, str(loaded.dtype), str(loaded.device), torch.__version__, str(torch.get_num_threads()),
-             _cpu_name() if str(loaded.device).startswith("cpu") else torch.cuda.get_device_name(loaded.device)
-             if torch.cuda.is_available() and str(loaded.device).startswith("cuda") else str(loaded.device),
+    device = str(loaded.device)
+    if device.startswith("cpu"):
+        hardware = _cpu_name()
+    elif device.startswith("cuda") and torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(loaded.device)
+    else:
+        hardware = device
+    parts = [ident, str(loaded.dtype), device, torch.__version__, str(torch.get_num_threads()), hardware,
              str(SIZES), str(CONTEXT), str(max_tokens)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 

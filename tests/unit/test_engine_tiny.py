@@ -18,7 +18,6 @@ from crossdraft.engine import DraftConfig, Engine
 from crossdraft.errors import InvalidArgument
 from crossdraft.sampling import SamplingParams
 from tests.tiny_models import tiny_lm
-from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -26,22 +25,6 @@ PROMPTS = [
     "for i in range(10):\n",
     "import numpy as np\n\nclass Model:\n    def __init__(self):",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok_t():
-    return bytelevel_bpe_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_d():
-    return sentencepiece_like_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def target(tok_t):
-    # head wider than the tokenizer, like Qwen's 151,936-wide head over 151,665 tokens
-    return tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import torch
 from crossdraft.engine import AllowedSet, DraftConfig, DrafterSession, Engine, TargetSession, new_cache
 from crossdraft.sampling import SamplingParams
 from tests.tiny_models import tiny_lm
-from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
 
 PROMPTS = ["def add(a, b):\n    return", "import numpy as np\n\nclass Model:\n    def __init__(self):"]
 
@@ -47,21 +46,6 @@ class FeedLog:
 
     def close(self):
         self._h.remove()
-
-
-@pytest.fixture(scope="module")
-def tok_t():
-    return bytelevel_bpe_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_d():
-    return sentencepiece_like_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def target(tok_t):
-    return tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7)
 
 
 @pytest.fixture(scope="module")
