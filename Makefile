@@ -7,7 +7,7 @@ STAMP    = $(VENV)/.installed
 TEST_MODELS = smollm2-135m gemma3-270m qwen2.5-coder-0.5b
 TARGET  ?= qwen2.5-coder-1.5b
 DRAFTER ?= qwen2.5-coder-0.5b
-PROMPT  ?= def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
+PROMPT  ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 PYTEST_ARGS ?=
 
 .PHONY: venv protos models run generate test test-fast bench bench-smoke clean

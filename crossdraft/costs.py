@@ -60,13 +60,13 @@ def measure(model, device, max_tokens: int, reps: int = 3) -> list[float]:
     slow moment of a shared machine hits every size alike); the rest is interpolated linearly
     and the table made non-decreasing.
     """
-    from .engine import crop_cache, new_cache
+    from .sessions import crop_cache, new_cache
 
     vocab = int(model.get_input_embeddings().num_embeddings)
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, min(vocab, 30000), (1, CONTEXT), generator=g).to(device)
     cache = new_cache(model)
-    model(input_ids=ctx, position_ids=torch.arange(CONTEXT, device=device).unsqueeze(0), past_key_values=cache,
+    model(input_ids=ctx, position_ids=torch.arange(CONTEXT, device=device).unsqueeze(0), cache=cache,
           use_cache=True, logits_to_keep=1)
     sizes = [m for m in SIZES if m <= max_tokens] or [1]
     times: dict[int, list[float]] = {m: [] for m in sizes}
@@ -76,7 +76,7 @@ def measure(model, device, max_tokens: int, reps: int = 3) -> list[float]:
             pos = torch.arange(CONTEXT, CONTEXT + m, device=device).unsqueeze(0)
             _sync(device)
             t0 = time.perf_counter()
-            model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=m)
+            model(input_ids=x, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=m)
             _sync(device)
             dt = time.perf_counter() - t0
             crop_cache(cache, CONTEXT)

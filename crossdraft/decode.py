@@ -1,10 +1,10 @@
 """The round loop, shared by the in-process engine and the gateway.
 
 :class:`Decoder` runs speculative decoding over two ports -- a verifier and (optionally) a
-drafter -- that have the method signatures of :class:`crossdraft.workers.VerifierWorker` and
-:class:`crossdraft.workers.DrafterWorker`. In process the ports ARE the workers; in the gateway
-they are gRPC clients of the drafter and verifier services. Everything vocabulary-related lives
-here, in :class:`TokenPair`: the model servers only ever see their own ids.
+drafter -- stated in :mod:`crossdraft.ports` (``VerifierPort``, ``DrafterPort``). In process the
+ports ARE the model workers; in the gateway they are gRPC clients of the drafter and verifier
+services. The loop speaks both vocabularies through :class:`crossdraft.vocab.TokenPair`; the
+model servers only ever see their own ids.
 
 One round: (apply the pending drafter edit and) draft k tokens -> map them to target ids (and q
 to target ids) -> verify in one target forward -> stream the new text -> record the drafter's
@@ -15,94 +15,86 @@ from __future__ import annotations
 
 import codecs
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import vocab as V
-from .engine import DraftConfig, DraftPolicy, GenerationResult, Stats, cost_ratio
-from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, check_int
+from .policy import DraftConfig, DraftPolicy, cost_ratio
+from .ports import DrafterPort, VerifierPort
 from .sampling import SamplingParams
+from .vocab import TokenPair, chat_ids  # noqa: F401  (the pair is the loop's vocabulary; re-exported)
 from .workers import Expect
 
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
-    if not getattr(tok, "chat_template", None):
-        raise InvalidArgument("messages", f"{getattr(tok, 'name_or_path', 'model')} has no chat template")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+@dataclass
+class Stats:
+    """Per-call statistics, JSON-friendly."""
+
+    mode: str = "target-only"
+    draft_mode: str = ""  # "tli" (drafts from the vocabulary intersection) or "text" (greedy: drafted text re-encoded)
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    resyncs: int = 0
+    skipped_rounds: int = 0  # speculative rounds in which the policy drafted nothing (drafting did not pay)
+    cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0  # time in the rounds outside the two models' forwards (mapping, bookkeeping, RPCs)
+    total_s: float = 0.0
+    finish_reason: str = "length"
+    drafter_fallback: bool = False  # the drafter failed or was too slow: the rest ran target-only
+    fallback_reason: str = ""
+    reused_target_tokens: int = 0  # verifier KV-cache entries reused from an earlier request
+    reused_drafter_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        d["acceptance_by_position"] = [
+            a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.drafted_by_position)
+        ]
+        d["mean_accepted_per_round"] = self.accepted / self.rounds if self.rounds else 0.0
+        d["tokens_per_round"] = self.new_tokens / self.rounds if self.rounds else 0.0
+        gen_s = self.total_s - self.prefill_s
+        d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+        d["decode_tokens_per_s"] = self.new_tokens / gen_s if gen_s > 0 else 0.0
+        del d["draft_lengths"]
+        d["mean_draft_length"] = float(np.mean(self.draft_lengths)) if self.draft_lengths else 0.0
+        return d
+
+    def record_round(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        if k:
+            self.draft_lengths.append(k)
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            self.drafted_by_position[i] += 1
+            if i < n:
+                self.accepted_by_position[i] += 1
 
 
-class TokenPair:
-    """Both tokenizers and the mapping between them (drafter optional)."""
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # target ids of the new tokens (EOS included when it ended the output)
+    stats: Stats
 
-    def __init__(self, target_tok, drafter_tok=None, target_vocab: int = 0, drafter_vocab: int = 0, *, mapping=None,
-                 vocab_cache_dir=None):
-        self.target_tok = target_tok
-        self.drafter_tok = drafter_tok
-        self.vt = int(target_vocab or len(target_tok))
-        self.t_bytes = [b if b is not None else b"" for b in V.token_bytes(target_tok)]
-        self.mapping = None
-        self.same_vocab = False
-        if drafter_tok is None:
-            return
-        self.mapping = mapping or V.build_mapping(target_tok, drafter_tok, cache_dir=vocab_cache_dir)
-        vt, vd = self.vt, int(drafter_vocab or len(drafter_tok))
-        self.vd = vd
-        d2t = np.full(vd, -1, dtype=np.int64)
-        n = min(vd, len(self.mapping.d2t))
-        d2t[:n] = self.mapping.d2t[:n]
-        d2t[d2t >= vt] = -1
-        t2d = np.full(vt, -1, dtype=np.int64)
-        n = min(vt, len(self.mapping.t2d))
-        t2d[:n] = self.mapping.t2d[:n]
-        t2d[t2d >= vd] = -1
-        self.d2t, self.t2d = d2t, t2d
-        self.allowed = d2t >= 0  # [vd] bool: drafter ids in the intersection
-        self.d_bytes = [b if b is not None else b"" for b in V.token_bytes(drafter_tok)]
-        has_bytes = np.zeros(vd, dtype=bool)
-        nb = min(vd, len(self.d_bytes))
-        has_bytes[:nb] = [len(b) > 0 for b in self.d_bytes[:nb]]
-        self.allowed_text = has_bytes  # text drafting may use every drafter token that stands for bytes
-        src = np.nonzero(self.allowed)[0]
-        self.same_vocab = vd == vt and bool(np.array_equal(d2t[src], src)) and int(has_bytes.sum()) == len(src)
-        if not self.allowed.any():
-            raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
-        base = f"{self.mapping.key}-{vt}-{vd}"
-        self.keys = {"tli": f"{base}-tli", "text": f"{base}-text"}
-        self.masks = {"tli": self.allowed, "text": self.allowed_text}
-
-    # ---- text <-> ids ----------------------------------------------------------------------
-    def encode_target(self, text: str) -> list[int]:
-        return list(self.target_tok(text, add_special_tokens=True)["input_ids"])
-
-    def encode_drafter(self, text: str) -> list[int]:
-        return list(self.drafter_tok(text, add_special_tokens=True)["input_ids"])
-
-    def chat_ids(self, messages: list[dict]) -> tuple[list[int], list[int] | None]:
-        t = chat_ids(self.target_tok, messages)
-        d = chat_ids(self.drafter_tok, messages) if self.drafter_tok is not None else None
-        return t, d
-
-    def target_text_bytes(self, ids) -> bytes:
-        tb = self.t_bytes
-        return b"".join(tb[t] for t in ids if 0 <= t < len(tb))
-
-    # ---- drafter -> target ------------------------------------------------------------------
-    def map_q(self, q_ids: np.ndarray, q_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A drafter distribution (drafter ids, float32 probs) as target ids (ascending) + float64
-        probs; drafter tokens standing for the same target token add up."""
-        t = self.d2t[np.asarray(q_ids, dtype=np.int64)]
-        p = np.asarray(q_probs, dtype=np.float64)
-        order = np.argsort(t, kind="stable")
-        t, p = t[order], p[order]
-        if len(t) > 1 and (t[1:] == t[:-1]).any():
-            uniq, inv = np.unique(t, return_inverse=True)
-            acc = np.zeros(len(uniq), dtype=np.float64)
-            np.add.at(acc, inv, p)
-            t, p = uniq, acc
-        return t, p
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -143,11 +135,69 @@ class Run:
         self._gen.close()
 
 
+@dataclass
+class DrafterState:
+    """The gateway's view of the drafter's session: its ids, and how many of them it holds."""
+
+    ids: list[int]
+    sent: int  # ids[:sent] are what the drafter holds; the rest goes with the next Draft as an edit
+    prompt_len: int
+    gen_lens: list[int] = field(default_factory=list)  # bytes of each generated drafter id
+
+    def edit(self, keep: int, append: list[int]) -> None:
+        """ids become ids[:keep] + append (sent with the next Draft)."""
+        self.ids[keep:] = list(append)
+        self.sent = min(self.sent, keep)
+
+    def pending(self):
+        """The edit the drafter has not seen yet: (keep, append) or None."""
+        return (self.sent, self.ids[self.sent:]) if self.sent < len(self.ids) else None
+
+
+@dataclass
+class _Request:
+    """One request's state in the round loop."""
+
+    sid: str
+    t_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int
+    draft: DraftConfig
+    stats: Stats
+    spec: bool
+    d: DrafterState | None = None
+    mode: str = "tli"  # which drafter mask: "tli" or "text"
+    text_mode: bool = False
+    policy: DraftPolicy | None = None
+    step_s: float = 0.0  # measured seconds of one target decoding step (0.0 with static costs)
+    gen: list[int] = field(default_factory=list)
+    gen_bytes: bytearray = field(default_factory=bytearray)
+    utf8: object = None
+    k: int = 0
+    first: bool = True
+    prev_drafted: bool = False
+
+    def drafter_failed(self, e: Exception) -> None:
+        self.spec = False
+        self.stats.drafter_fallback, self.stats.fallback_reason = True, str(e)
+
+
+@dataclass
+class _Drafted:
+    """What the drafting step of a round produced."""
+
+    tokens: list  # DraftTokens (drafter ids)
+    target_ids: list[int]  # the block in target ids
+    q_rows: list | None  # sampling: the drafter's distributions over target ids
+    seconds: float
+
+
 class Decoder:
     """Speculative decoding over a verifier port and an optional drafter port."""
 
-    def __init__(self, pair: TokenPair, verifier, drafter=None, *, eos_ids=(), max_context: int = 0,
-                 check_context: bool = True, drafter_timeout_s: float | None = None):
+    def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
+                 max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None):
         self.pair = pair
         self.verifier = verifier
         self.drafter = drafter if pair.drafter_tok is not None else None
@@ -195,21 +245,19 @@ class Decoder:
             self.verifier.sync(sid, t_ids)  # the verifier lost or diverged from the session: rebuild
             return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed)
 
-    def _draft(self, sid, d, k, round_index, params, seed, stop_below, mode):
-        """d: the drafter-side state dict. Returns a list of DraftTokens (raises Unavailable)."""
+    def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode):
+        """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
         key = self.pair.keys[mode]
-        edit = (d["sent"], d["ids"][d["sent"]:]) if d["sent"] < len(d["ids"]) else None
-        kw = dict(k=k, round_index=round_index, params=params, seed=seed, stop_below=stop_below, allowed_key=key)
-        if self.drafter_timeout_s is not None:
-            kw["timeout_s"] = self.drafter_timeout_s
+        kw = dict(k=k, round_index=round_index, params=params, seed=seed, stop_below=stop_below, allowed_key=key,
+                  timeout_s=self.drafter_timeout_s)
         try:
-            toks = self.drafter.draft(sid, edit, self._expect(d["ids"]), **kw)
+            toks = self.drafter.draft(sid, d.pending(), self._expect(d.ids), **kw)
         except (NotFound, FailedPrecondition):
             self._mask_sent.discard(key)
             self._send_mask(mode)
-            self.drafter.sync(sid, d["ids"])
-            toks = self.drafter.draft(sid, None, self._expect(d["ids"]), **kw)
-        d["sent"] = len(d["ids"])
+            self.drafter.sync(sid, d.ids)
+            toks = self.drafter.draft(sid, None, self._expect(d.ids), **kw)
+        d.sent = len(d.ids)
         return toks
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -221,14 +269,8 @@ class Decoder:
         round_scope: optional callable round_index -> context manager yielding record(RoundEvent);
         each round's port calls run inside it (the gateway opens the round's trace span there).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise InvalidArgument("max_new_tokens", f"must be an integer, got {type(max_new_tokens).__name__}")
-        if max_new_tokens <= 0:
-            raise InvalidArgument("max_new_tokens", f"must be > 0, got {max_new_tokens}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgument("seed", "must be an integer")
-        if not 0 <= seed < 2**63:
-            raise InvalidArgument("seed", "must be in [0, 2^63)")
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("seed", seed, 0, 2**63 - 1)
         if not target_ids:
             raise InvalidArgument("prompt", "must not be empty")
         if self.max_context and len(target_ids) + max_new_tokens > self.max_context:
@@ -238,162 +280,162 @@ class Decoder:
         spec = use_drafter and self.drafter is not None and drafter_ids is not None
         if spec and draft.mode == "text" and not params.greedy:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
+        req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, Stats(prompt_tokens=len(target_ids)),
+                       spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None)
         run = Run(None)
-        run._gen = self._rounds(run, sid, list(target_ids), list(drafter_ids) if spec else None, max_new_tokens,
-                                params, seed, draft, round_start, spec, round_scope)
+        run._gen = self._rounds(run, req, round_start, round_scope)
         return run
 
-    def _rounds(self, run, sid, t_ids, d_ids, max_new_tokens, params, seed, draft, round_start, spec, round_scope):
-        pair = self.pair
-        t_start = time.perf_counter()
-        stats = Stats(prompt_tokens=len(t_ids))
-        run.target_ids = t_ids
-        reused, _ = self.verifier.sync(sid, t_ids)
+    def _start(self, req: _Request) -> None:
+        """Sync both servers with the prompt; choose the drafting mode and the policy."""
+        stats = req.stats
+        reused, _ = self.verifier.sync(req.sid, req.t_ids)
         stats.reused_target_tokens = reused
-        text_mode = False
-        d = None
-        if spec:
+        if req.spec:
             stats.mode = "speculative"
-            text_mode = params.greedy and not pair.same_vocab and draft.mode in ("auto", "text")
-            stats.draft_mode = "text" if text_mode else "tli"
-            mode = "text" if text_mode else "tli"
+            req.text_mode = req.params.greedy and not self.pair.same_vocab and req.draft.mode in ("auto", "text")
+            req.mode = "text" if req.text_mode else "tli"
+            stats.draft_mode = req.mode
             try:
-                self._send_mask(mode)
-                reused_d, _ = self.drafter.sync(sid, d_ids)
-                stats.reused_drafter_tokens = reused_d
-                policy, step_s = self._policy(mode, draft, params)
-                stats.cost_model = "measured" if policy.measured else "static"
+                self._send_mask(req.mode)
+                stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
+                req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
+                stats.cost_model = "measured" if req.policy.measured else "static"
             except Unavailable as e:
-                spec = False
-                stats.drafter_fallback, stats.fallback_reason = True, str(e)
-            d = {"ids": d_ids, "sent": len(d_ids), "prompt_len": len(d_ids), "gen_lens": []}
-            run.drafter_ids = d_ids
-        if not spec:
-            policy, step_s = DraftPolicy(draft, 1.0), 0.0
-        gen: list[int] = []
-        gen_bytes = bytearray()
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        k = draft.num_draft_tokens
-        round_index = round_start
-        first = True
-        prev_drafted = False
+                req.drafter_failed(e)
+        if not req.spec:
+            req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
+        req.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        req.k = req.draft.num_draft_tokens
+
+    def _rounds(self, run: Run, req: _Request, round_index: int, round_scope):
+        t_start = time.perf_counter()
+        run.target_ids = req.t_ids
+        run.drafter_ids = req.d.ids if req.d else None
+        self._start(req)
         while True:
-            cm = round_scope(round_index) if round_scope is not None else None
-            record = cm.__enter__() if cm is not None else None
-            try:
-                remaining = max_new_tokens - len(gen)
-                kk = min(k, remaining - 1) if spec else 0
-                t_round = time.perf_counter()
-                toks = []
-                drafts_t: list[int] = []
-                q_rows = None
-                draft_s = 0.0
-                if kk > 0:
-                    t0 = time.perf_counter()
-                    try:
-                        toks = self._draft(sid, d, kk, round_index, params, seed, draft.stop_below, mode)
-                    except Unavailable as e:
-                        spec, toks = False, []
-                        stats.drafter_fallback, stats.fallback_reason = True, str(e)
-                    draft_s = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
-                    d_prop = [t.id for t in toks]
-                    if text_mode:
-                        drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
-                        try:
-                            drafts_t = V.encode_bytes(pair.target_tok, drafted_bytes)[: remaining - 1] if drafted_bytes else []
-                        except ValueError:  # the target cannot spell these bytes: nothing to propose
-                            drafts_t = []
-                    else:
-                        drafts_t = [int(pair.d2t[x]) for x in d_prop]
-                        if not params.greedy:
-                            q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
-                    stats.draft_s += draft_s
-                else:
-                    d_prop = []
-                kd = len(drafts_t)
-                draft_wall = time.perf_counter() - t_round
-                t_verify = time.perf_counter()
-                res = self._verify(sid, t_ids, drafts_t, q_rows, round_index, params, seed)
-                verify_wall = time.perf_counter() - t_verify
-                n = res.num_accepted
-                emitted = list(drafts_t[:n]) + [res.next_token]
-                if first:
-                    stats.prefill_s += res.forward_s
-                else:
-                    stats.verify_s += res.forward_s
-                    if spec:
-                        policy.observe(kd, n)
-                        # wall-clock corrections (measured costs only); a probe after skipped
-                        # rounds also feeds the drafter what it missed, so its time says little
-                        policy.observe_time(len(toks) if prev_drafted else 0, draft_wall, kd + 1, verify_wall, step_s)
-                prev_drafted = len(toks) > 0
-                first = False
-                stats.record_round(kd, n)
-                if spec and kd == 0 and remaining > 1:
-                    stats.skipped_rounds += 1
-                out = emitted
-                for j, tok in enumerate(out):
-                    if tok in self.eos:
-                        out = out[: j + 1]
-                        stats.finish_reason = "stop"
-                        break
-                gen.extend(out)
-                t_ids.extend(out)
-                new_bytes = pair.target_text_bytes(out)
-                gen_bytes += new_bytes
-                done = stats.finish_reason == "stop" or len(gen) >= max_new_tokens
-                text = utf8.decode(new_bytes, final=done)
-                if done and d is not None:
-                    self._edit(d, d["prompt_len"], self._encode_drafter_bytes(bytes(gen_bytes)))
-                if not done and spec:
-                    if text_mode:
-                        self._commit_text(d, d_prop, drafts_t[:n], res.next_token)
-                    else:
-                        self._commit_tli(d, d_prop[:n], res.next_token, bytes(gen_bytes), draft.resync_window, stats)
-                    k = policy.next_k()
-                overhead = time.perf_counter() - t_round - res.forward_s - draft_s
-                stats.other_s += overhead
-                ev = RoundEvent(round_index, kk, kd, n, out, text, draft_s, res.forward_s, overhead, done, t_ids,
-                                d["ids"] if d else None)
-            except BaseException as e:
-                if cm is not None and cm.__exit__(type(e), e, e.__traceback__):
-                    return
-                raise
-            if cm is not None:
-                record(ev)
-                cm.__exit__(None, None, None)
+            ev = None
+            with (round_scope(round_index) if round_scope is not None else nullcontext(None)) as record:
+                done_round = self._round(req, round_index)
+                if record is not None:
+                    record(done_round)
+                ev = done_round
+            if ev is None:  # the round scope swallowed an error: the request ends here
+                return
             round_index += 1
             run.next_round = round_index
-            if d is not None:
-                run.drafter_ids = d["ids"]
-            if done:
-                stats.new_tokens = len(gen)
-                stats.total_s = time.perf_counter() - t_start
-                run.result = GenerationResult(bytes(gen_bytes).decode("utf-8", errors="replace"), gen, stats)
+            if req.d is not None:
+                run.drafter_ids = req.d.ids
+            if ev.done:
+                req.stats.new_tokens = len(req.gen)
+                req.stats.total_s = time.perf_counter() - t_start
+                run.result = GenerationResult(bytes(req.gen_bytes).decode("utf-8", errors="replace"), req.gen, req.stats)
             yield ev
-            if done:
+            if ev.done:
                 return
 
-    # ---- drafter bookkeeping (gateway side) ------------------------------------------------------
-    def _edit(self, d, keep: int, append: list[int]) -> None:
-        """The drafter's ids become ids[:keep] + append (sent with the next Draft)."""
-        d["ids"][keep:] = list(append)
-        d["sent"] = min(d["sent"], keep)
+    def _round(self, req: _Request, round_index: int) -> RoundEvent:
+        """One round: draft -> verify -> emit -> commit the drafter's edit and choose the next k."""
+        stats = req.stats
+        remaining = req.max_new_tokens - len(req.gen)
+        kk = min(req.k, remaining - 1) if req.spec else 0
+        t_round = time.perf_counter()
+        drafted = self._draft_step(req, kk, remaining, round_index)
+        draft_wall = time.perf_counter() - t_round
+        t_verify = time.perf_counter()
+        res = self._verify(req.sid, req.t_ids, drafted.target_ids, drafted.q_rows, round_index, req.params, req.seed)
+        verify_wall = time.perf_counter() - t_verify
+        kd, n = len(drafted.target_ids), res.num_accepted
+        if req.first:
+            stats.prefill_s += res.forward_s
+        else:
+            stats.verify_s += res.forward_s
+            if req.spec:
+                req.policy.observe(kd, n)
+                # wall-clock corrections (measured costs only); a probe after skipped
+                # rounds also feeds the drafter what it missed, so its time says little
+                req.policy.observe_time(len(drafted.tokens) if req.prev_drafted else 0, draft_wall, kd + 1, verify_wall,
+                                        req.step_s)
+        req.prev_drafted = len(drafted.tokens) > 0
+        req.first = False
+        stats.record_round(kd, n)
+        if req.spec and kd == 0 and remaining > 1:
+            stats.skipped_rounds += 1
+        out, text, done = self._emit(req, list(drafted.target_ids[:n]) + [res.next_token])
+        if done and req.d is not None:
+            req.d.edit(req.d.prompt_len, self._encode_drafter_bytes(bytes(req.gen_bytes)))
+        if not done and req.spec:
+            self._commit_drafter(req, drafted, n, res.next_token)
+            req.k = req.policy.next_k()
+        overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
+        stats.overhead_s += overhead
+        return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
+                          req.d.ids if req.d else None)
 
-    def _commit_tli(self, d, accepted_d: list[int], nxt: int, gen_bytes: bytes, window: int, stats: Stats) -> None:
+    def _draft_step(self, req: _Request, kk: int, remaining: int, round_index: int) -> _Drafted:
+        """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""
+        if kk <= 0:
+            return _Drafted([], [], None, 0.0)
+        pair = self.pair
+        t0 = time.perf_counter()
+        toks: list = []
+        try:
+            toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode)
+        except Unavailable as e:
+            req.drafter_failed(e)
+        seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
+        d_prop = [t.id for t in toks]
+        q_rows = None
+        if req.text_mode:
+            drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
+            try:
+                drafts_t = V.encode_bytes(pair.target_tok, drafted_bytes)[: remaining - 1] if drafted_bytes else []
+            except ValueError:  # the target cannot spell these bytes: nothing to propose
+                drafts_t = []
+        else:
+            drafts_t = [int(pair.d2t[x]) for x in d_prop]
+            if not req.params.greedy:
+                q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
+        req.stats.draft_s += seconds
+        return _Drafted(toks, drafts_t, q_rows, seconds)
+
+    def _emit(self, req: _Request, emitted: list[int]) -> tuple[list[int], str, bool]:
+        """Append the round's target tokens (cut after an EOS); (tokens, complete new text, done)."""
+        out = emitted
+        for j, tok in enumerate(out):
+            if tok in self.eos:
+                out = out[: j + 1]
+                req.stats.finish_reason = "stop"
+                break
+        req.gen.extend(out)
+        req.t_ids.extend(out)
+        new_bytes = self.pair.target_text_bytes(out)
+        req.gen_bytes += new_bytes
+        done = req.stats.finish_reason == "stop" or len(req.gen) >= req.max_new_tokens
+        return out, req.utf8.decode(new_bytes, final=done), done
+
+    # ---- drafter bookkeeping (gateway side) ------------------------------------------------------
+    def _commit_drafter(self, req: _Request, drafted: _Drafted, n: int, next_token: int) -> None:
+        d_prop = [t.id for t in drafted.tokens]
+        if req.text_mode:
+            self._commit_text(req.d, d_prop, drafted.target_ids[:n], next_token)
+        else:
+            self._commit_tli(req.d, d_prop[:n], next_token, bytes(req.gen_bytes), req.draft.resync_window, req.stats)
+
+    def _commit_tli(self, d: DrafterState, accepted_d: list[int], nxt: int, gen_bytes: bytes, window: int,
+                    stats: Stats) -> None:
         pair = self.pair
         d_nxt = int(pair.t2d[nxt]) if 0 <= nxt < len(pair.t2d) else -1
-        ids = d["ids"]
         if d_nxt >= 0:
-            self._edit(d, len(ids), accepted_d + [d_nxt])
-            d["gen_lens"].extend(len(pair.d_bytes[t]) for t in accepted_d + [d_nxt])
+            d.edit(len(d.ids), accepted_d + [d_nxt])
+            d.gen_lens.extend(len(pair.d_bytes[t]) for t in accepted_d + [d_nxt])
             return
-        self._edit(d, len(ids), accepted_d)
-        d["gen_lens"].extend(len(pair.d_bytes[t]) for t in accepted_d)
+        d.edit(len(d.ids), accepted_d)
+        d.gen_lens.extend(len(pair.d_bytes[t]) for t in accepted_d)
         self._resync(d, gen_bytes, window)
         stats.resyncs += 1
 
-    def _resync(self, d, gen_bytes: bytes, window: int) -> None:
+    def _resync(self, d: DrafterState, gen_bytes: bytes, window: int) -> None:
         """Re-tokenise the drafter's last `window` generated tokens plus the target's new text.
 
         The drafter's generated ids always spell exactly the target's generated bytes (accepted
@@ -401,12 +443,12 @@ class Decoder:
         byte-exactly), so the kept prefix ends at a known byte offset.
         """
         pair = self.pair
-        lens = d["gen_lens"]
-        n_gen = len(d["ids"]) - d["prompt_len"]
+        lens = d.gen_lens
+        n_gen = len(d.ids) - d.prompt_len
         keep = max(0, n_gen - window)
         tail = gen_bytes[sum(lens[:keep]):]
         new_tail = self._encode_drafter_bytes(tail)
-        self._edit(d, d["prompt_len"] + keep, new_tail)
+        d.edit(d.prompt_len + keep, new_tail)
         del lens[keep:]
         lens.extend(len(pair.d_bytes[t]) if t < len(pair.d_bytes) else 0 for t in new_tail)
 
@@ -419,7 +461,7 @@ class Decoder:
             text = data.decode("utf-8", errors="ignore")
             return list(self.pair.drafter_tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def _commit_text(self, d, proposals: list[int], accepted_t: list[int], next_t: int) -> None:
+    def _commit_text(self, d: DrafterState, proposals: list[int], accepted_t: list[int], next_t: int) -> None:
         """Text drafting: keep the drafter proposals lying wholly inside the accepted text, then
         append the rest of the new text (accepted drafts + the target's token) encoded byte-exactly."""
         pair = self.pair
@@ -434,5 +476,5 @@ class Decoder:
             off += ln
             keep += 1
         tail = self._encode_drafter_bytes(new_bytes[off:])
-        self._edit(d, len(d["ids"]), proposals[:keep] + tail)
-        d["gen_lens"].extend(len(pair.d_bytes[t]) if t < len(pair.d_bytes) else 0 for t in proposals[:keep] + tail)
+        d.edit(len(d.ids), proposals[:keep] + tail)
+        d.gen_lens.extend(len(pair.d_bytes[t]) if t < len(pair.d_bytes) else 0 for t in proposals[:keep] + tail)

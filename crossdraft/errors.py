@@ -6,6 +6,8 @@ INVALID_ARGUMENT / NOT_FOUND and a REST API to a 4xx with the field in the messa
 
 from __future__ import annotations
 
+import re
+
 
 class CrossdraftError(Exception):
     """Base class of every error crossdraft raises on purpose."""
@@ -55,3 +57,36 @@ class ResourceExhausted(CrossdraftError):
 
 class Unauthenticated(CrossdraftError):
     """The caller did not present a valid credential."""
+
+
+# ---- argument checks shared by every entry point (one rule each) --------------------------------
+
+
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer (bool is not one) within [lo, hi]; InvalidArgument naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(name, f"must be an integer, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise InvalidArgument(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidArgument(name, f"must be <= {hi}, got {value}")
+    return value
+
+
+def check_number(name: str, value) -> float:
+    """A real number (bool is not one), returned as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(name, f"must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+# One rule for session ids, everywhere (the gateway's sessions and the model servers' sessions):
+# 1-64 letters, digits, '-' or '_'.
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_session_id(sid) -> str:
+    """A valid session id (see SESSION_ID_RE); InvalidArgument naming session_id otherwise."""
+    if not isinstance(sid, str) or not SESSION_ID_RE.match(sid):
+        raise InvalidArgument("session_id", "must be 1-64 characters of letters, digits, '-' or '_'")
+    return sid

@@ -100,9 +100,6 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     from . import rpc, telemetry
     from .models import fast_dtype, load_model, parse_device
 
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {kind} %(levelname)s %(message)s")
     provider = telemetry.setup_tracing(f"crossdraft-{kind}")

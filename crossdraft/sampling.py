@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, check_int, check_number
 
 # Streams of randomness; each one is an independent family of uniforms.
 STREAM_DRAFT = 1  # drafter sampling its proposal at a position
@@ -61,9 +61,7 @@ class SamplingParams:
 
 
 def _finite_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(name, f"must be a number, got {type(value).__name__}")
-    value = float(value)
+    value = check_number(name, value)
     if not math.isfinite(value):
         raise InvalidArgument(name, f"must be finite, got {value}")
     return value
@@ -73,9 +71,7 @@ def validate_sampling(temperature, top_k, top_p, repetition_penalty) -> None:
     """Raise InvalidArgument naming the first bad field."""
     if _finite_number("temperature", temperature) < 0:
         raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise InvalidArgument("top_k", f"must be an integer, got {type(top_k).__name__}")
-    if top_k < 0:
+    if check_int("top_k", top_k) < 0:
         raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {top_k}")
     p = _finite_number("top_p", top_p)
     if not 0.0 < p <= 1.0:
@@ -233,10 +229,3 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor, drafts: list[int], seed: i
             return VerifyOutcome(i, tok, [j < i for j in range(k)])
     bonus = sample_from(p[k], uniform(seed, round_index, k, STREAM_EMIT))
     return VerifyOutcome(k, bonus, [True] * k)
-
-
-def choose_token(processed_row: torch.Tensor, params: SamplingParams, seed: int, round_index: int, position: int, stream: int) -> int:
-    """Pick one id from one processed row [V]: argmax when greedy, else a seeded sample."""
-    if params.greedy:
-        return int(torch.argmax(processed_row))
-    return sample_from(torch.softmax(processed_row.float(), dim=-1), uniform(seed, round_index, position, stream))

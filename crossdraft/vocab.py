@@ -127,8 +127,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "TokenPair",
     "VocabMapping",
     "build_mapping",
+    "chat_ids",
     "decode_bytes",
     "encode_bytes",
     "token_bytes",
@@ -581,6 +583,40 @@ class VocabMapping:
         return out
 
 
+    def resized(self, drafter_size: int, target_size: int) -> "VocabMapping":
+        """The mapping over a drafter model's and a target model's logit rows, whose sizes may
+        differ from the tokenizers' (padded embeddings): ids beyond either side map to -1."""
+        d2t = np.full(drafter_size, -1, dtype=np.int64)
+        n = min(drafter_size, len(self.d2t))
+        d2t[:n] = self.d2t[:n]
+        d2t[d2t >= target_size] = -1
+        t2d = np.full(target_size, -1, dtype=np.int64)
+        n = min(target_size, len(self.t2d))
+        t2d[:n] = self.t2d[:n]
+        t2d[t2d >= drafter_size] = -1
+        d2t.setflags(write=False)
+        t2d.setflags(write=False)
+        return VocabMapping(d2t=d2t, t2d=t2d, drafter_vocab_size=drafter_size, target_vocab_size=target_size,
+                            key=self.key)
+
+    def map_distribution(self, q_ids, q_probs) -> tuple[np.ndarray, np.ndarray]:
+        """A drafter distribution (drafter ids in the intersection, probabilities) as target ids
+        (ascending, unique) + float64 probabilities: drafter tokens standing for the same target
+        token add up (many-to-one, e.g. a byte-fallback token and a plain one)."""
+        t = self.d2t[np.asarray(q_ids, dtype=np.int64)]
+        if (t < 0).any():
+            raise ValueError("the distribution has drafter ids outside the intersection")
+        p = np.asarray(q_probs, dtype=np.float64)
+        order = np.argsort(t, kind="stable")
+        t, p = t[order], p[order]
+        if len(t) > 1 and (t[1:] == t[:-1]).any():
+            uniq, inv = np.unique(t, return_inverse=True)
+            acc = np.zeros(len(uniq), dtype=np.float64)
+            np.add.at(acc, inv, p)
+            t, p = uniq, acc
+        return t, p
+
+
 _MEMORY: dict[str, VocabMapping] = {}
 _MEMORY_LOCK = threading.Lock()
 
@@ -595,8 +631,9 @@ def clear_memory_cache() -> None:
 
 def default_cache_dir() -> Path:
     """``$CROSSDRAFT_HOME/vocab`` (``CROSSDRAFT_HOME`` defaults to ``~/.cache/crossdraft``)."""
-    home = os.environ.get("CROSSDRAFT_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "crossdraft")
-    return Path(home) / "vocab"
+    from .models import crossdraft_home
+
+    return crossdraft_home() / "vocab"
 
 
 def _mapping_key(target: _Table, drafter: _Table) -> str:
@@ -918,3 +955,79 @@ def vocab_report(
         }
     )
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime pair: both tokenizers and the mapping between the two models' ids
+# --------------------------------------------------------------------------------------------
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
+    from .errors import InvalidArgument
+
+    if not getattr(tok, "chat_template", None):
+        raise InvalidArgument("messages", f"{getattr(tok, 'name_or_path', 'model')} has no chat template")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+class TokenPair:
+    """Both tokenizers and the mapping between the two models' ids (drafter optional).
+
+    What the round loop needs at run time, built from :class:`VocabMapping` resized to the
+    models' logit rows: ``d2t`` / ``t2d`` (ids, -1 outside the intersection), the drafter masks
+    (``"tli"``: the intersection; ``"text"``: every drafter token that stands for bytes, for text
+    drafting), ``map_q`` (a drafter distribution as target ids), and the bytes of each id.
+    """
+
+    def __init__(self, target_tok, drafter_tok=None, target_vocab: int = 0, drafter_vocab: int = 0, *, mapping=None,
+                 vocab_cache_dir=None):
+        from .errors import InvalidArgument
+
+        self.target_tok = target_tok
+        self.drafter_tok = drafter_tok
+        self.vt = int(target_vocab or len(target_tok))
+        self.t_bytes = [b if b is not None else b"" for b in token_bytes(target_tok)]
+        self.mapping = None
+        self.same_vocab = False
+        if drafter_tok is None:
+            return
+        self.mapping = mapping or build_mapping(target_tok, drafter_tok, cache_dir=vocab_cache_dir)
+        vt, vd = self.vt, int(drafter_vocab or len(drafter_tok))
+        self.vd = vd
+        self.rows = self.mapping.resized(vd, vt)  # the mapping over the models' logit rows
+        self.d2t, self.t2d = self.rows.d2t, self.rows.t2d
+        self.allowed = self.rows.allowed_drafter_mask()  # [vd] bool: drafter ids in the intersection
+        self.d_bytes = [b if b is not None else b"" for b in token_bytes(drafter_tok)]
+        has_bytes = np.zeros(vd, dtype=bool)
+        nb = min(vd, len(self.d_bytes))
+        has_bytes[:nb] = [len(b) > 0 for b in self.d_bytes[:nb]]
+        self.allowed_text = has_bytes  # text drafting may use every drafter token that stands for bytes
+        src = np.nonzero(self.allowed)[0]
+        self.same_vocab = vd == vt and bool(np.array_equal(self.d2t[src], src)) and int(has_bytes.sum()) == len(src)
+        if not self.allowed.any():
+            raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
+        base = f"{self.mapping.key}-{vt}-{vd}"
+        self.keys = {"tli": f"{base}-tli", "text": f"{base}-text"}
+        self.masks = {"tli": self.allowed, "text": self.allowed_text}
+
+    # ---- text <-> ids ----------------------------------------------------------------------
+    def encode_target(self, text: str) -> list[int]:
+        return list(self.target_tok(text, add_special_tokens=True)["input_ids"])
+
+    def encode_drafter(self, text: str) -> list[int]:
+        return list(self.drafter_tok(text, add_special_tokens=True)["input_ids"])
+
+    def chat_ids(self, messages: list[dict]) -> tuple[list[int], list[int] | None]:
+        t = chat_ids(self.target_tok, messages)
+        d = chat_ids(self.drafter_tok, messages) if self.drafter_tok is not None else None
+        return t, d
+
+    def target_text_bytes(self, ids) -> bytes:
+        """The bytes of target ids (special tokens stand for none): :func:`decode_bytes`."""
+        return decode_bytes(self.target_tok, ids)
+
+    def map_q(self, q_ids: np.ndarray, q_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A drafter distribution as target ids: :meth:`VocabMapping.map_distribution`."""
+        return self.rows.map_distribution(q_ids, q_probs)

@@ -22,12 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine import AllowedSet, DraftToken, DrafterSession, TargetSession, cost_numbers
-from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .sessions import AllowedSet, DraftToken, DrafterSession, TargetSession, cost_numbers
+from .errors import FailedPrecondition, InvalidArgument, NotFound, check_int, check_session_id
 from .sampling import SamplingParams
-
-MAX_SESSION_ID_LEN = 128
-
 
 def ids_crc32(ids) -> int:
     """CRC-32 of token ids as int32 little-endian bytes (the ContextCheck digest)."""
@@ -52,8 +49,8 @@ class WorkerConfig:
             raise InvalidArgument("session_ttl_s", "must be > 0")
 
 
-class SessionStore:
-    """Bounded map of sessions: LRU eviction beyond max_sessions, expiry after ttl_s unused."""
+class ModelSessionCache:
+    """The model sessions (ids + KV cache) a worker holds, in memory: a bounded map with LRU eviction beyond max_sessions, expiry after ttl_s unused."""
 
     def __init__(self, max_sessions: int, ttl_s: float, clock=time.monotonic):
         self.max = max_sessions
@@ -95,14 +92,6 @@ class SessionStore:
         return len(self._d)
 
 
-def check_session_id(sid) -> str:
-    if not isinstance(sid, str) or not sid:
-        raise InvalidArgument("session_id", "must be a non-empty string")
-    if len(sid) > MAX_SESSION_ID_LEN:
-        raise InvalidArgument("session_id", f"must be at most {MAX_SESSION_ID_LEN} characters")
-    return sid
-
-
 def _check_ids(name: str, ids, vocab: int) -> list[int]:
     ids = list(ids)
     if ids and (min(ids) < 0 or max(ids) >= vocab):
@@ -128,7 +117,7 @@ class _Worker:
     def __init__(self, loaded, cfg: WorkerConfig | None = None):
         self.loaded = loaded
         self.cfg = cfg or WorkerConfig()
-        self.sessions = SessionStore(self.cfg.max_sessions, self.cfg.session_ttl_s)
+        self.sessions = ModelSessionCache(self.cfg.max_sessions, self.cfg.session_ttl_s)
         self.lock = threading.RLock()  # one forward at a time per model
         self.instance_id = uuid.uuid4().hex[:12]
         self.vocab = int(loaded.vocab_size)
@@ -297,9 +286,6 @@ class DrafterWorker(_Worker):
             raise FailedPrecondition(f"allowed_key: unknown mask {key!r} (send SetAllowedTokens first)")
         return a
 
-    def head_rows(self, key: str) -> int:
-        return self.allowed(key).count
-
     def _edit(self, sess, edit, expect: Expect | None) -> None:
         if edit is not None:
             keep, append = edit
@@ -323,8 +309,7 @@ class DrafterWorker(_Worker):
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
                    seed: int, stop_below: float, allowed_key: str):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting)."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > 64:
-            raise InvalidArgument("num_draft_tokens", f"must be in [1, 64], got {k}")
+        check_int("num_draft_tokens", k, 1, 64)
         if not 0.0 <= stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
         with self.lock:
@@ -342,8 +327,11 @@ class DrafterWorker(_Worker):
                 return
             yield tok
 
-    def draft(self, *args, **kw) -> list[DraftToken]:
-        return list(self.draft_iter(*args, **kw))
+    def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
+              seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None) -> list[DraftToken]:
+        """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
+        drafters: in process there is no wire to wait on)."""
+        return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key))
 
 
-__all__ = ["DrafterWorker", "Expect", "SessionStore", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]
+__all__ = ["DrafterWorker", "Expect", "ModelSessionCache", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]

@@ -14,7 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from crossdraft import rpc, wire
-from crossdraft.engine import DraftToken
+from crossdraft.sessions import DraftToken
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from crossdraft.workers import VerifyReply

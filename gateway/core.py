@@ -14,12 +14,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from crossdraft.decode import Decoder, TokenPair
-from crossdraft.engine import DraftConfig
-from crossdraft.errors import CrossdraftError, InvalidArgument, Unauthenticated, Unavailable
+from crossdraft.decode import Decoder
+from crossdraft.vocab import TokenPair
+from crossdraft.policy import DraftConfig
+from crossdraft.errors import CrossdraftError, InvalidArgument, Unauthenticated, Unavailable, check_int, check_number
 from crossdraft.sampling import SamplingParams
 
-from .sessions import Session, SessionStore, check_session_id
+from crossdraft.errors import check_session_id
+
+from .sessions import RedisSessionStore, Session
 
 log = logging.getLogger("crossdraft.gateway")
 
@@ -57,20 +60,8 @@ OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_
                  "num_draft_tokens", "adaptive_draft", "use_drafter")
 
 
-def _int(name, v, lo=None, hi=None):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidArgument(name, f"must be an integer, got {type(v).__name__}")
-    if lo is not None and v < lo:
-        raise InvalidArgument(name, f"must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise InvalidArgument(name, f"must be <= {hi}, got {v}")
-    return v
-
-
-def _num(name, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidArgument(name, f"must be a number, got {type(v).__name__}")
-    return float(v)
+_int = check_int
+_num = check_number
 
 
 def _bool(name, v):
@@ -186,7 +177,7 @@ def stats_dict(stats) -> dict:
         "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
         "skipped_rounds": d["skipped_rounds"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
-        "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["other_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
+        "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
         "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
     }
 
@@ -206,7 +197,7 @@ def _add_stats(total: dict, s: dict) -> dict:
 class Gateway:
     """placement: a :class:`gateway.discovery.Placement` over the verifier and drafter pools."""
 
-    def __init__(self, cfg: GatewayConfig, pair: TokenPair, placement, store: SessionStore, *,
+    def __init__(self, cfg: GatewayConfig, pair: TokenPair, placement, store: RedisSessionStore, *,
                  tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0):
         self.cfg = cfg
         self.pair = pair
@@ -459,4 +450,4 @@ class Job:
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
-__all__ = ["Gateway", "GatewayConfig", "Job", "Metrics", "Unavailable", "validate_options"]
+__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "validate_options"]

@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 
+import anyio
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -74,13 +75,19 @@ async def _json_body(request: Request) -> dict:
     return data
 
 
+def _take_option(opts: dict, name: str, value) -> None:
+    """Record REST field `name` as its gateway option (max_tokens and max_completion_tokens are one)."""
+    if REST_OPTIONS[name] in opts:
+        raise InvalidArgument(name, "give only one of max_tokens or max_completion_tokens")
+    opts[REST_OPTIONS[name]] = value
+
+
 def _split(data: dict, input_field: str) -> tuple[dict, dict]:
+    """A completion request's body -> (gateway options, other fields: input, stream, session_id)."""
     opts, extra = {}, {}
     for k, v in data.items():
         if k in REST_OPTIONS:
-            if REST_OPTIONS[k] in opts:
-                raise InvalidArgument(k, "give only one of max_tokens or max_completion_tokens")
-            opts[REST_OPTIONS[k]] = v
+            _take_option(opts, k, v)
         elif k in (input_field, "stream", "session_id"):
             extra[k] = v
         elif k in NEUTRAL:
@@ -105,40 +112,127 @@ def _names(data: dict) -> dict:
     return dict(NAMES, max_new_tokens="max_completion_tokens") if "max_completion_tokens" in data else NAMES
 
 
-def build_app(gw_ref, tracer=None) -> Starlette:
-    """gw_ref(): the Gateway, or None while it is starting (readyz then says 503)."""
-    tracer = tracer or trace.get_tracer("crossdraft.gateway")
+def _session_json(s) -> dict:
+    return {"session_id": s.session_id, "turns": s.turns, "target_tokens": len(s.target_ids),
+            "drafter_tokens": len(s.drafter_ids), "options": {NAMES.get(k, k): v for k, v in s.options.items()},
+            "stats": s.stats, "drafter_instance": s.drafter_instance, "verifier_instance": s.verifier_instance,
+            "drafter_address": s.drafter_address, "verifier_address": s.verifier_address,
+            "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
 
-    def gw():
-        g = gw_ref()
+
+def _final(done: dict, rid: str, created: int, model: str, chat: bool) -> dict:
+    """The whole (non-streamed) completion in the OpenAI response shape."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
+                  "finish_reason": done["finish_reason"]}
+    else:
+        choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"], "logprobs": None}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": done["usage"], "speculative": done["stats"],
+            "session_id": done["session_id"] or None}
+
+
+def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool):
+    """The completion as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text, finish=None, extra=None, first=False):
+        if chat:
+            delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
+            if first and delta_text:
+                delta = {"role": "assistant", "content": delta_text}
+            c = {"index": 0, "delta": delta if finish is None else {}, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
+        d = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        if extra:
+            d.update(extra)
+        return f"data: {json.dumps(d)}\n\n"
+
+    try:
+        first = True
+        for ev in job.events(ctx):
+            if ev["type"] == "delta":
+                if ev["text"] or first:
+                    yield chunk(ev["text"], first=first)
+                    first = False
+            else:
+                yield chunk("", finish=ev["finish_reason"],
+                            extra={"usage": ev["usage"], "speculative": ev["stats"],
+                                   "session_id": ev["session_id"] or None})
+        yield "data: [DONE]\n\n"
+    except Exception as e:
+        err = json.loads(error_response(e).body)
+        yield f"data: {json.dumps(err)}\n\n"
+    finally:
+        job.close()
+        span.end()
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    # unknown paths (404) and wrong methods (405) answer in the same JSON error shape as the rest
+    etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    msg = f"{exc.detail}: {request.method} {request.url.path}"
+    return JSONResponse({"error": {"message": msg, "type": etype, "param": None, "code": exc.status_code}},
+                        status_code=exc.status_code, headers=exc.headers)
+
+
+class RestApi:
+    """The REST handlers over one gateway; gw_ref() is the Gateway, or None while it starts."""
+
+    def __init__(self, gw_ref, tracer=None):
+        self.gw_ref = gw_ref
+        self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
+
+    def gw(self):
+        g = self.gw_ref()
         if g is None:
             raise Unavailable("the gateway is starting")
         return g
 
-    async def completions(request: Request):
-        return await _generate(request, chat=False)
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/vocab", self.vocab, methods=["GET"]),
+            Route("/v1/sessions", self.create_session, methods=["POST"]),
+            Route("/v1/sessions/{sid}", self.get_session, methods=["GET"]),
+            Route("/v1/sessions/{sid}", self.delete_session, methods=["DELETE"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
 
-    async def chat_completions(request: Request):
-        return await _generate(request, chat=True)
+    # ---- completions ------------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        return await self._generate(request, chat=False)
 
-    async def _generate(request: Request, chat: bool):
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    def _start_job(self, g, data: dict, chat: bool):
+        """Validate the body and start the generation job (raises InvalidArgument & co.)."""
+        field = "messages" if chat else "prompt"
+        opts, extra = _split(data, field)
+        if field not in extra:
+            raise InvalidArgument(field, "is required")
+        value = extra[field]
+        if not chat and not isinstance(value, str):
+            raise InvalidArgument("prompt", "must be a string")
+        names = dict(_names(data), prompt="prompt", messages="messages")
+        job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
+                      messages=value if chat else None, options=opts, api="rest", names=names)
+        return job, bool(extra.get("stream"))
+
+    async def _generate(self, request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
-        span = tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER)
+        span = self.tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER)
         ctx = trace.set_span_in_context(span)
         g = None
         try:
-            g = gw()
-            data = await _json_body(request)
-            field = "messages" if chat else "prompt"
-            opts, extra = _split(data, field)
-            if field not in extra:
-                raise InvalidArgument(field, "is required")
-            value = extra[field]
-            if not chat and not isinstance(value, str):
-                raise InvalidArgument("prompt", "must be a string")
-            names = dict(_names(data), prompt="prompt", messages="messages")
-            job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
-                          messages=value if chat else None, options=opts, api="rest", names=names)
+            g = self.gw()
+            job, stream = self._start_job(g, await _json_body(request), chat)
         except Exception as e:
             if g is not None:
                 g.metrics.requests.labels("rest", "rejected").inc()
@@ -147,11 +241,10 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             return error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        model = g.model_name
-        if extra.get("stream"):
-            return StreamingResponse(_sse(job, ctx, span, rid, created, model, chat), media_type="text/event-stream",
+        if stream:
+            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        import anyio
 
         def run_all():
             try:
@@ -163,65 +256,21 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             events = await anyio.to_thread.run_sync(run_all)
         except Exception as e:
             return error_response(e)
-        done = events[-1]
-        return JSONResponse(_final(done, rid, created, model, chat))
+        return JSONResponse(_final(events[-1], rid, created, g.model_name, chat))
 
-    def _final(done, rid, created, model, chat):
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
-                      "finish_reason": done["finish_reason"]}
-        else:
-            choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"], "logprobs": None}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": done["usage"], "speculative": done["stats"],
-                "session_id": done["session_id"] or None}
-
-    def _sse(job, ctx, span, rid, created, model, chat):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_text, finish=None, extra=None, first=False):
-            if chat:
-                delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
-                if first and delta_text:
-                    delta = {"role": "assistant", "content": delta_text}
-                c = {"index": 0, "delta": delta if finish is None else {}, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
-            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
-            if extra:
-                d.update(extra)
-            return f"data: {json.dumps(d)}\n\n"
-
+    # ---- models and vocabulary ----------------------------------------------------------------
+    async def models(self, request: Request):
         try:
-            first = True
-            for ev in job.events(ctx):
-                if ev["type"] == "delta":
-                    if ev["text"] or first:
-                        yield chunk(ev["text"], first=first)
-                        first = False
-                else:
-                    yield chunk("", finish=ev["finish_reason"],
-                                extra={"usage": ev["usage"], "speculative": ev["stats"], "session_id": ev["session_id"] or None})
-            yield "data: [DONE]\n\n"
-        except Exception as e:
-            err = json.loads(error_response(e).body)
-            yield f"data: {json.dumps(err)}\n\n"
-        finally:
-            job.close()
-            span.end()
-
-    async def models(request: Request):
-        try:
-            g = gw()
+            g = self.gw()
         except Exception as e:
             return error_response(e)
         d = {"id": g.model_name, "object": "model", "created": 0, "owned_by": "crossdraft",
              "drafter": g.drafter_model}
         return JSONResponse({"object": "list", "data": [d]})
 
-    async def vocab(request: Request):
+    async def vocab(self, request: Request):
         try:
-            g = gw()
+            g = self.gw()
         except Exception as e:
             return error_response(e)
         pair = g.pair
@@ -229,12 +278,14 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             return JSONResponse({"drafter": None, "message": "no drafter: target-only"})
         st = pair.mapping.stats()
         st.update({"drafter_allowed_tli": int(pair.allowed.sum()), "drafter_allowed_text": int(pair.allowed_text.sum()),
-                   "same_vocabulary": bool(pair.same_vocab), "target_vocab_size": pair.vt, "drafter_vocab_size": pair.vd})
+                   "same_vocabulary": bool(pair.same_vocab), "target_vocab_size": pair.vt,
+                   "drafter_vocab_size": pair.vd})
         return JSONResponse(json.loads(json.dumps(st, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
 
-    async def create_session(request: Request):
+    # ---- sessions -----------------------------------------------------------------------------
+    async def create_session(self, request: Request):
         try:
-            g = gw()
+            g = self.gw()
             data = await _json_body(request) if (await request.body()) else {}
             sid = data.pop("session_id", None)
             if sid is not None and not isinstance(sid, str):
@@ -243,74 +294,49 @@ def build_app(gw_ref, tracer=None) -> Starlette:
             for k, v in data.items():
                 if k not in REST_OPTIONS:
                     raise InvalidArgument(k, "unknown field")
-                if REST_OPTIONS[k] in opts:
-                    raise InvalidArgument(k, "give only one of max_tokens or max_completion_tokens")
-                opts[REST_OPTIONS[k]] = v
+                _take_option(opts, k, v)
             s = g.create_session(opts, sid, names=_names(data))
             return JSONResponse(_session_json(s), status_code=201)
         except Exception as e:
             return error_response(e)
 
-    def _session_json(s):
-        return {"session_id": s.session_id, "turns": s.turns, "target_tokens": len(s.target_ids),
-                "drafter_tokens": len(s.drafter_ids), "options": {NAMES.get(k, k): v for k, v in s.options.items()},
-                "stats": s.stats, "drafter_instance": s.drafter_instance, "verifier_instance": s.verifier_instance,
-                "drafter_address": s.drafter_address, "verifier_address": s.verifier_address,
-                "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
-
-    async def get_session(request: Request):
+    async def get_session(self, request: Request):
         try:
-            return JSONResponse(_session_json(gw().get_session(request.path_params["sid"])))
+            return JSONResponse(_session_json(self.gw().get_session(request.path_params["sid"])))
         except Exception as e:
             return error_response(e)
 
-    async def delete_session(request: Request):
+    async def delete_session(self, request: Request):
         try:
-            existed = gw().delete_session(request.path_params["sid"])
+            existed = self.gw().delete_session(request.path_params["sid"])
             if not existed:
                 raise NotFound("session_id", f"no session {request.path_params['sid']!r}")
             return JSONResponse({"session_id": request.path_params["sid"], "deleted": True})
         except Exception as e:
             return error_response(e)
 
-    async def healthz(request: Request):
+    # ---- health and metrics ---------------------------------------------------------------------
+    async def healthz(self, request: Request):
         return JSONResponse({"status": "ok"})
 
-    async def readyz(request: Request):
-        g = gw_ref()
+    async def readyz(self, request: Request):
+        g = self.gw_ref()
         if g is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         if not g.store.ping():
             return JSONResponse({"status": "unavailable", "reason": "Redis is unreachable"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    async def metrics(request: Request):
-        g = gw_ref()
+    async def metrics(self, request: Request):
+        g = self.gw_ref()
         if g is None:
             return Response("", media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(g.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/vocab", vocab, methods=["GET"]),
-        Route("/v1/sessions", create_session, methods=["POST"]),
-        Route("/v1/sessions/{sid}", get_session, methods=["GET"]),
-        Route("/v1/sessions/{sid}", delete_session, methods=["DELETE"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
 
-    async def http_error(request: Request, exc: HTTPException):
-        # unknown paths (404) and wrong methods (405) answer in the same JSON error shape as the rest
-        etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        msg = f"{exc.detail}: {request.method} {request.url.path}"
-        return JSONResponse({"error": {"message": msg, "type": etype, "param": None, "code": exc.status_code}},
-                            status_code=exc.status_code, headers=exc.headers)
-
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+def build_app(gw_ref, tracer=None):
+    """The ASGI app: gw_ref() is the Gateway, or None while it is starting (readyz then says 503)."""
+    app = Starlette(routes=RestApi(gw_ref, tracer).routes(), exception_handlers={HTTPException: _http_error})
     return _ApiKeyMiddleware(app, gw_ref)
 
 
@@ -335,5 +361,4 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-
-__all__ = ["build_app", "OPTION_FIELDS"]
+__all__ = ["OPTION_FIELDS", "RestApi", "build_app"]

@@ -79,12 +79,12 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
-    from crossdraft.decode import TokenPair
+    from crossdraft.vocab import TokenPair
     from crossdraft.models import load_tokenizer
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
-    from .sessions import SessionStore
+    from .sessions import RedisSessionStore
 
     from .discovery import EndpointSliceWatcher, Placement, Pool, static_pool
 
@@ -116,7 +116,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
     pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
-    store = SessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
+    store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
     return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
                    max_context=vinfo["max_context_tokens"])
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,9 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from crossdraft.errors import FailedPrecondition, NotFound, Unavailable, check_session_id
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
@@ -66,13 +64,7 @@ def _unpack_ids(s: str) -> list[int]:
     return np.frombuffer(base64.b64decode(s), dtype="<i4").tolist()
 
 
-def check_session_id(sid) -> str:
-    if not isinstance(sid, str) or not SESSION_ID_RE.match(sid):
-        raise InvalidArgument("session_id", "must be 1-64 characters of letters, digits, '-' or '_'")
-    return sid
-
-
-class SessionStore:
+class RedisSessionStore:
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "crossdraft:", lease_s: float = 600.0):
         self.url = url
         self.ttl_ms = int(ttl_s * 1000)

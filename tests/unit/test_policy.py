@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossdraft.engine import DraftConfig, DraftPolicy
+from crossdraft.policy import DraftConfig, DraftPolicy
 from crossdraft.errors import InvalidArgument
 
 # a CPU-like table: 1..3 tokens cost one step, 5 tokens twice that (measured shape, fp32 BLAS)

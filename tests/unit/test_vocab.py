@@ -320,6 +320,57 @@ def test_allowed_drafter_mask_and_stats(cache_dir):
         m.d2t[0] = 5  # cached arrays are read-only
 
 
+def test_resized_mapping_covers_the_models_rows(cache_dir):
+    m = V.build_mapping(BL(), SP(), cache_dir=cache_dir)
+    nd, nt = m.drafter_vocab_size, m.target_vocab_size
+    # wider logits than tokenizers (padded embeddings): the extra rows map nowhere
+    w = m.resized(nd + 5, nt + 3)
+    assert w.d2t.shape == (nd + 5,) and w.t2d.shape == (nt + 3,)
+    assert (w.d2t[:nd] == m.d2t).all() and (w.d2t[nd:] == -1).all() and (w.t2d[nt:] == -1).all()
+    assert (w.allowed_drafter_mask() == np.r_[m.d2t >= 0, np.zeros(5, bool)]).all()
+    # narrower: ids that land beyond the other side's rows are dropped from the mapping
+    cut = 40
+    n = m.resized(nd, cut)
+    assert (n.d2t < cut).all() and ((n.d2t >= 0) == ((m.d2t >= 0) & (m.d2t < cut))).all()
+    assert n.key == m.key and not n.d2t.flags.writeable
+
+
+def test_map_distribution_sums_many_to_one(cache_dir):
+    sp, bl = SP(), BL()
+    m = V.build_mapping(bl, sp, cache_dir=cache_dir)  # drafter SP -> target BL: "a" and <0x61> both map to "a"
+    counts = np.bincount(m.d2t[m.d2t >= 0])
+    t_many = int(np.flatnonzero(counts > 1)[0])
+    dups = np.flatnonzero(m.d2t == t_many)
+    other = int(np.flatnonzero((m.d2t >= 0) & (m.d2t != t_many))[0])
+    q_ids = np.array([other, *dups], dtype=np.int32)
+    q_probs = np.array([0.5] + [0.5 / len(dups)] * len(dups), dtype=np.float32)
+    t, p = m.map_distribution(q_ids, q_probs)
+    assert list(t) == sorted({int(m.d2t[other]), t_many}) and p.dtype == np.float64
+    assert p[list(t).index(t_many)] == pytest.approx(0.5) and p.sum() == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        m.map_distribution(np.flatnonzero(m.d2t < 0)[:1], np.array([1.0], np.float32))
+
+
+def test_token_pair_runs_the_mappings_own_methods(cache_dir, monkeypatch):
+    """The loop's pair uses VocabMapping.map_distribution and decode_bytes: the tested helpers
+    are the ones the round loop runs."""
+    sp, bl = SP(), BL()
+    pair = V.TokenPair(sp, bl, len(sp) + 4, len(bl) + 2, vocab_cache_dir=cache_dir)
+    assert pair.d2t.shape == (len(bl) + 2,) and pair.t2d.shape == (len(sp) + 4,)
+    assert (pair.allowed == (pair.d2t >= 0)).all()
+    calls = []
+    real = V.VocabMapping.map_distribution
+    monkeypatch.setattr(V.VocabMapping, "map_distribution", lambda self, *a: calls.append(1) or real(self, *a))
+    ids = np.flatnonzero(pair.allowed)[:3]
+    t, p = pair.map_q(ids, np.full(3, 1 / 3, np.float32))
+    assert calls and (np.diff(t) > 0).all()
+    text_ids = list(sp("hello world")["input_ids"])
+    assert pair.target_text_bytes(text_ids) == V.decode_bytes(sp, text_ids)
+    # no drafter: a target-only pair
+    solo = V.TokenPair(sp)
+    assert solo.mapping is None and not solo.same_vocab
+
+
 # ----------------------------------------------------------------------------------------------
 # Caches
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crossdraft.engine import AllowedSet, DraftConfig, DrafterSession, Engine, TargetSession, new_cache
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.sessions import AllowedSet, DrafterSession, TargetSession, new_cache
 from crossdraft.sampling import SamplingParams
 from tests.tiny_models import tiny_lm
 
@@ -84,7 +85,7 @@ def _expected_cache(model, ids: list[int]):
     cache = new_cache(model)
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids)).unsqueeze(0),
-                    past_key_values=cache, use_cache=True)
+                    cache=cache, use_cache=True)
     return cache, out.logits[0, -1].float()
 
 

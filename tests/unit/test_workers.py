@@ -8,7 +8,7 @@ import pytest
 
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound
 from crossdraft.sampling import SamplingParams
-from crossdraft.workers import DrafterWorker, Expect, SessionStore, VerifierWorker, WorkerConfig, ids_crc32
+from crossdraft.workers import DrafterWorker, Expect, ModelSessionCache, VerifierWorker, WorkerConfig, ids_crc32
 from tests.tiny_models import tiny_lm
 from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer
 
@@ -25,7 +25,7 @@ def lm():
 
 def test_session_store_lru_and_ttl():
     now = [0.0]
-    st = SessionStore(2, ttl_s=10, clock=lambda: now[0])
+    st = ModelSessionCache(2, ttl_s=10, clock=lambda: now[0])
     st.put("a", 1)
     st.put("b", 2)
     assert st.get("a") == 1  # a is now the most recent

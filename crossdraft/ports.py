@@ -1,0 +1,65 @@
+"""The two ports the round loop drives: a verifier and a drafter.
+
+:class:`crossdraft.decode.Decoder` only ever calls these methods. In process the ports are the
+model workers (:class:`crossdraft.workers.VerifierWorker`, :class:`~crossdraft.workers.DrafterWorker`);
+in the gateway they are gRPC clients of the model servers (``gateway/clients.py``
+``RemoteVerifier``, ``RemoteDrafter``). Both raise the errors of :mod:`crossdraft.errors`:
+``NotFound`` (the server does not hold the session) and ``FailedPrecondition`` (it holds a
+different history) make the loop re-send the whole history with ``sync``; ``Unavailable`` from
+the drafter makes the request finish target-only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # data types only; no import at run time keeps this module a leaf
+    import numpy as np
+
+    from .sampling import SamplingParams
+    from .sessions import DraftToken
+    from .workers import Expect, VerifyReply
+
+# (keep, append): the drafter's ids become ids[:keep] + append before it drafts
+Edit = tuple[int, list[int]]
+# one sparse drafter distribution over target ids: (ids ascending, float64 probabilities)
+QRow = tuple["np.ndarray", "np.ndarray"]
+
+
+@runtime_checkable
+class ModelPort(Protocol):
+    """What both model servers answer."""
+
+    def info(self) -> dict:
+        """ModelInfo as a dict (vocab_size, eos_token_ids, tokenizer_digest, forward_ms, ...)."""
+
+    def cost(self, head_rows: int | None = None) -> tuple[int, int, int]:
+        """(body_bytes, head_row_bytes, head_rows) of one token's forward (static cost model)."""
+
+    def timings(self) -> list[float]:
+        """Measured ms of one forward of 1..M tokens ([] when measuring is off)."""
+
+    def sync(self, sid: str, ids: Sequence[int]) -> tuple[int, "Expect"]:
+        """Create or align session `sid` with the full history; (reused cache entries, state)."""
+
+    def end(self, sid: str) -> bool:
+        """Drop the session; whether it existed."""
+
+
+@runtime_checkable
+class VerifierPort(ModelPort, Protocol):
+    def verify(self, sid: str, expect: "Expect | None", drafts: Sequence[int], q_rows: "Sequence[QRow] | None",
+               round_index: int, params: "SamplingParams", seed: int) -> "VerifyReply":
+        """One forward over the uncached tail + drafts; lossless acceptance; the cache keeps the
+        accepted prefix. q_rows: one drafter distribution per draft (sampling), else None."""
+
+
+@runtime_checkable
+class DrafterPort(ModelPort, Protocol):
+    def set_allowed(self, key: str, mask) -> int:
+        """Register a mask of drafter ids that may be proposed (the intersection) under `key`."""
+
+    def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
+              params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
+              timeout_s: float | None = None) -> "list[DraftToken]":
+        """Apply the edit, then propose up to k tokens of the mask `allowed_key`."""
