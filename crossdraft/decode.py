@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import vocab as V
-from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, check_int
+from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
 from .policy import DraftConfig, DraftPolicy, cost_ratio
 from .ports import DrafterPort, VerifierPort
 from .sampling import SamplingParams
@@ -301,7 +301,7 @@ class Decoder:
                 stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
                 stats.cost_model = "measured" if req.policy.measured else "static"
-            except Unavailable as e:
+            except (Unavailable, ResourceExhausted) as e:
                 req.drafter_failed(e)
         if not req.spec:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
@@ -381,7 +381,7 @@ class Decoder:
         toks: list = []
         try:
             toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode)
-        except Unavailable as e:
+        except (Unavailable, ResourceExhausted) as e:  # the request goes on target-only
             req.drafter_failed(e)
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
         d_prop = [t.id for t in toks]

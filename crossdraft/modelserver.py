@@ -30,8 +30,14 @@ class ModelServerConfig:
     max_sessions: int = 64  # KV caches kept; least recently used dropped beyond
     session_ttl_s: float = 600.0  # drop a session unused this long
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    max_workers: int = 16  # gRPC handler threads
+    max_workers: int = 64  # gRPC handler threads (each in-flight request holds one while it waits for its batch)
     grace_s: float = 5.0  # on SIGTERM, time for in-flight RPCs to finish
+    batching: bool = True  # batch the sessions' forwards (off: one forward at a time, a cache per session)
+    max_batch_rows: int = 32  # sessions in one forward at most
+    max_batch_tokens: int = 4096  # tokens in one forward at most
+    batch_wait_ms: float = 3.0  # how long a forward waits for more rows while other requests are in flight
+    prefill_chunk: int = 512  # long prefills/syncs run in chunks of this many tokens
+    kv_cache_tokens: int = 0  # KV pool size in tokens (0 = max_sessions x min(context, 4096))
 
 
 def _env(name: str, default):
@@ -47,7 +53,17 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", 64)), help="KV caches kept (LRU)")
     p.add_argument("--session-ttl-s", type=float, default=float(_env("SESSION_TTL_S", 600)), help="session idle expiry")
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)), help="Prometheus port (0 = off)")
-    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", 16)), help="gRPC handler threads")
+    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", 64)), help="gRPC handler threads")
+    p.add_argument("--batching", choices=("on", "off"), default=_env("BATCHING", "on"),
+                   help="batch the sessions' forwards in one forward (env CROSSDRAFT_BATCHING)")
+    p.add_argument("--max-batch-rows", type=int, default=int(_env("MAX_BATCH_ROWS", 32)), help="sessions per forward")
+    p.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", 4096)), help="tokens per forward")
+    p.add_argument("--batch-wait-ms", type=float, default=float(_env("BATCH_WAIT_MS", 3.0)),
+                   help="max wait for more rows while other requests are in flight")
+    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
+                   help="long prefills run in chunks of this many tokens")
+    p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
+                   help="KV pool size in tokens (0 = max_sessions x min(context, 4096)) (env CROSSDRAFT_KV_CACHE_TOKENS)")
 
 
 def config_from_args(a) -> ModelServerConfig:
@@ -59,9 +75,26 @@ def config_from_args(a) -> ModelServerConfig:
         raise InvalidArgument("max_sessions", "must be >= 1")
     if not a.session_ttl_s > 0:
         raise InvalidArgument("session_ttl_s", "must be > 0")
-    return ModelServerConfig(model=a.model, dtype=a.dtype, device=a.device, host=a.host, port=a.port,
-                             max_sessions=a.max_sessions, session_ttl_s=a.session_ttl_s,
-                             metrics_port=a.metrics_port, max_workers=a.max_workers)
+    cfg = ModelServerConfig(model=a.model, dtype=a.dtype, device=a.device, host=a.host, port=a.port,
+                            max_sessions=a.max_sessions, session_ttl_s=a.session_ttl_s,
+                            metrics_port=a.metrics_port, max_workers=a.max_workers,
+                            batching=getattr(a, "batching", "on") == "on",
+                            max_batch_rows=getattr(a, "max_batch_rows", 32),
+                            max_batch_tokens=getattr(a, "max_batch_tokens", 4096),
+                            batch_wait_ms=getattr(a, "batch_wait_ms", 3.0),
+                            prefill_chunk=getattr(a, "prefill_chunk", 512),
+                            kv_cache_tokens=getattr(a, "kv_cache_tokens", 0))
+    batch_config(cfg)  # validates the batching flags
+    return cfg
+
+
+def batch_config(cfg: ModelServerConfig):
+    """The worker's BatchConfig from the server's flags."""
+    from .batching import BatchConfig
+
+    return BatchConfig(enabled=cfg.batching, max_rows=cfg.max_batch_rows, max_tokens=cfg.max_batch_tokens,
+                       max_wait_ms=cfg.batch_wait_ms, prefill_chunk=cfg.prefill_chunk,
+                       kv_cache_tokens=cfg.kv_cache_tokens)
 
 
 class Loading:
@@ -91,7 +124,8 @@ def main(kind: str, default_port: int, service_name: str, servicer, make_worker,
         print(f"{kind}: error: {e}", file=sys.stderr)
         return 2
     wcfg = WorkerConfig(max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s)
-    return serve(kind, cfg, lambda loaded: make_worker(loaded, wcfg), lambda s: add_servicer(servicer, s),
+    bcfg = batch_config(cfg)
+    return serve(kind, cfg, lambda loaded: make_worker(loaded, wcfg, bcfg), lambda s: add_servicer(servicer, s),
                  service_name, servicer)
 
 
@@ -122,6 +156,7 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
                 print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms", flush=True)
+            export_batch_metrics(kind, worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
             print(f"crossdraft {kind}: serving {loaded.name} ({dtype}) on {cfg.host}:{port}", flush=True)
@@ -139,3 +174,35 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     except Exception:
         pass
     return 1 if servicer.state.error else 0
+
+
+def export_batch_metrics(kind: str, worker) -> None:
+    """Prometheus: rows and tokens per batched forward, queue wait, KV pool occupancy, evictions."""
+    sched = getattr(worker, "scheduler", None)
+    if sched is None:
+        return
+    from prometheus_client import Gauge, Histogram
+
+    rows = Histogram(f"crossdraft_{kind}_batch_rows", "Sessions per batched forward",
+                     buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    tokens = Histogram(f"crossdraft_{kind}_batch_tokens", "Tokens per batched forward",
+                       buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384))
+    wait = Histogram(f"crossdraft_{kind}_queue_wait_seconds", "Time a row waited for its batch",
+                     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5))
+
+    def observe(n_rows, n_tokens, waits):
+        rows.observe(n_rows)
+        tokens.observe(n_tokens)
+        for w in waits:
+            wait.observe(w)
+
+    sched.stats.observers.append(observe)
+    occ = Gauge(f"crossdraft_{kind}_kv_cache_occupancy", "Share of the KV pool's blocks in use")
+    occ.set_function(lambda: sched.pool.occupancy)
+    used = Gauge(f"crossdraft_{kind}_kv_cache_blocks_used", "KV pool blocks in use")
+    used.set_function(lambda: sched.pool.blocks_used)
+    # counts so far (monotonic), read when scraped
+    ev = Gauge(f"crossdraft_{kind}_kv_evicted_sessions", "Idle sessions evicted so far to free KV memory")
+    ev.set_function(lambda: worker.evicted_for_memory)
+    full = Gauge(f"crossdraft_{kind}_kv_exhausted_rows", "Rows refused so far: the KV pool was full of busy sessions")
+    full.set_function(lambda: sched.stats.exhausted)

@@ -106,26 +106,75 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
+class OwnKV:
+    """A session's own KV cache (a transformers DynamicCache): its forwards run alone, one
+    session at a time -- the in-process engine, and model servers with batching off.
+
+    The other kind, a slot in a model server's shared KV pool whose forwards are batched with other
+    sessions', is :class:`crossdraft.batching.PooledKV`; both answer length / crop / run / close.
+    """
+
+    def __init__(self, model, device):
+        self.model = model
+        self.device = device
+        self.cache = new_cache(model)
+
+    def length(self) -> int:
+        return cache_length(self.cache)
+
+    def crop(self, n: int) -> None:
+        crop_cache(self.cache, n)
+
+    @torch.inference_mode()
+    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens at positions start..; the last `keep` rows of logits [keep, V] (or, with a
+        pruned LM head [A, hidden], of linear(h, head) [keep, A])."""
+        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
+        kw = dict(input_ids=inp, position_ids=pos, cache_position=pos[0], cache=self.cache, use_cache=True)
+        if head is None:
+            return self.model(**kw, logits_to_keep=keep).logits[0, -keep:, :]
+        h = self.model.model(**kw).last_hidden_state[0, -keep:]
+        return torch.nn.functional.linear(h, head)
+
+    def close(self) -> None:
+        self.cache = None
+
+
 class _ModelSession:
     """ids + KV cache of one causal LM; feeds the uncached tail plus extra tokens.
 
     ``fed`` lists exactly the tokens whose keys/values are in the cache (a prefix of ids, possibly
     followed by uncommitted proposals), so any new history can reuse the longest common prefix.
+    ``kv`` is where the keys and values live: :class:`OwnKV` (default) or a slot in a model
+    server's batched KV pool (:class:`crossdraft.batching.PooledKV`).
     """
 
-    def __init__(self, model, ids: list[int], device: torch.device):
+    def __init__(self, model, ids: list[int], device: torch.device, kv=None):
         if not ids:
             raise InvalidArgument("prompt", "is empty after tokenisation")
         self.model = model
         self.device = device
         self.ids: list[int] = list(ids)
-        self.cache = new_cache(model)
+        self.kv = kv if kv is not None else OwnKV(model, device)
         self.fed: list[int] = []
         self.cache_repairs = 0  # forwards that found the cache out of step with ids (a bug if ever > 0)
+        self.closed = False
+
+    @property
+    def cache(self):
+        """The DynamicCache of an :class:`OwnKV` session (None for a pooled one)."""
+        return getattr(self.kv, "cache", None)
 
     @property
     def cache_len(self) -> int:
-        return cache_length(self.cache)
+        return self.kv.length()
+
+    def close(self) -> None:
+        """Release the KV cache (the session is being dropped)."""
+        if not self.closed:
+            self.closed = True
+            self.kv.close()
 
     def _tail(self, extra: list[int]) -> tuple[int, list[int]]:
         """(start, feed): the part of ids + extra that the cache does not hold yet.
@@ -140,27 +189,22 @@ class _ModelSession:
             # cannot happen by construction; if it ever does, recompute rather than score a wrong context
             self.cache_repairs += 1
             keep = min(_lcp(self.fed, seq), start, len(seq) - 1)
-            crop_cache(self.cache, keep)
+            self.kv.crop(keep)
             del self.fed[keep:]
             start = self.cache_len
         return start, seq[start:]
 
-    @torch.inference_mode()
-    def forward(self, extra: list[int], keep: int) -> torch.Tensor:
-        """Feed (ids + extra)[cache_len:]; return the last `keep` rows of logits [keep, V]."""
+    def forward(self, extra: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed (ids + extra)[cache_len:]; return the last `keep` rows of logits [keep, V]
+        (with a pruned head [A, hidden]: [keep, A])."""
         start, feed = self._tail(extra)
-        out = self.model(**self._inputs(start, feed), logits_to_keep=keep)
+        out = self.kv.run(start, feed, keep, head)
         self.fed = self.fed[:start] + feed
-        return out.logits[0, -keep:, :]
-
-    def _inputs(self, start: int, feed: list[int]) -> dict:
-        inp = torch.tensor([feed], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
-        return dict(input_ids=inp, position_ids=pos, cache_position=pos[0], cache=self.cache, use_cache=True)
+        return out
 
     def truncate_cache(self, valid: int) -> None:
         n = min(valid, self.cache_len, len(self.ids) - 1)
-        crop_cache(self.cache, n)
+        self.kv.crop(n)
         del self.fed[n:]
 
     def sync(self, ids: list[int]) -> int:
@@ -311,11 +355,7 @@ class DrafterSession(_ModelSession):
         """Logits of the token after ids + props over the allowed ids only: [A] float32."""
         if allowed.head is None:
             return self.forward(props, keep=1)[0].float()[allowed.ids_dev]
-        start, feed = self._tail(props)
-        out = self.model.model(**self._inputs(start, feed))
-        self.fed = self.fed[:start] + feed
-        h = out.last_hidden_state[0, -1]
-        return torch.nn.functional.linear(h, allowed.head).float()
+        return self.forward(props, keep=1, head=allowed.head)[0].float()
 
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
                    stop_below: float = 0.0):

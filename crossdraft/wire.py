@@ -37,7 +37,8 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
                 device=m.device, body_bytes=m.body_bytes, head_row_bytes=m.head_row_bytes,
                 max_context_tokens=m.max_context_tokens, eos_token_ids=list(m.eos_token_ids),
                 max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
-                forward_ms=[float(x) for x in m.forward_ms])
+                forward_ms=[float(x) for x in m.forward_ms], kv_blocks_total=m.kv_blocks_total,
+                kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows)
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

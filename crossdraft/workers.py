@@ -18,6 +18,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,12 +51,15 @@ class WorkerConfig:
 
 
 class ModelSessionCache:
-    """The model sessions (ids + KV cache) a worker holds, in memory: a bounded map with LRU eviction beyond max_sessions, expiry after ttl_s unused."""
+    """The model sessions (ids + KV cache) a worker holds, in memory: a bounded map with LRU
+    eviction beyond max_sessions and expiry after ttl_s unused. ``on_drop(value)`` runs for every
+    session dropped by eviction or expiry (the worker releases its KV cache there)."""
 
-    def __init__(self, max_sessions: int, ttl_s: float, clock=time.monotonic):
+    def __init__(self, max_sessions: int, ttl_s: float, clock=time.monotonic, on_drop=None):
         self.max = max_sessions
         self.ttl = ttl_s
         self.clock = clock
+        self.on_drop = on_drop or (lambda value: None)
         self._d: OrderedDict[str, tuple[float, object]] = OrderedDict()
         self.evicted = 0
         self.expired = 0
@@ -63,8 +67,13 @@ class ModelSessionCache:
     def _expire(self) -> None:
         now = self.clock()
         for sid in [s for s, (t, _) in self._d.items() if now - t > self.ttl]:
-            del self._d[sid]
+            _, value = self._d.pop(sid)
             self.expired += 1
+            self.on_drop(value)
+
+    def oldest_first(self) -> list[tuple[str, object]]:
+        """(sid, value) from the least recently used on."""
+        return [(sid, v) for sid, (_, v) in self._d.items()]
 
     def get(self, sid: str):
         self._expire()
@@ -80,8 +89,9 @@ class ModelSessionCache:
         self._d[sid] = (self.clock(), value)
         self._d.move_to_end(sid)
         while len(self._d) > self.max:
-            self._d.popitem(last=False)
+            _, (_, old) = self._d.popitem(last=False)
             self.evicted += 1
+            self.on_drop(old)
 
     def pop(self, sid: str):
         item = self._d.pop(sid, None)
@@ -112,22 +122,107 @@ class Expect:
 
 
 class _Worker:
+    """One model and its sessions.
+
+    Without batching (the in-process engine; ``--batching off``) every call holds ``lock`` for its
+    whole length: one forward at a time, each session with its own cache. With a
+    :class:`~crossdraft.batching.BatchConfig`, the sessions' KV caches are slots of one
+    preallocated pool and their forwards are batched by a scheduler thread; a call then holds only
+    its own session's lock, and ``lock`` guards the session map for a moment.
+    """
+
     kind = "model"
 
-    def __init__(self, loaded, cfg: WorkerConfig | None = None):
+    def __init__(self, loaded, cfg: WorkerConfig | None = None, batch=None):
         self.loaded = loaded
         self.cfg = cfg or WorkerConfig()
-        self.sessions = ModelSessionCache(self.cfg.max_sessions, self.cfg.session_ttl_s)
-        self.lock = threading.RLock()  # one forward at a time per model
+        self.sessions = ModelSessionCache(self.cfg.max_sessions, self.cfg.session_ttl_s, on_drop=self._dropped)
+        self.lock = threading.RLock()
         self.instance_id = uuid.uuid4().hex[:12]
         self.vocab = int(loaded.vocab_size)
         limit = getattr(loaded.model.config, "max_position_embeddings", 0) or 0
-        self.max_context = min(x for x in (limit, self.cfg.max_context_tokens) if x) if (limit or self.cfg.max_context_tokens) else 0
+        ctx = self.cfg.max_context_tokens
+        self.max_context = min(x for x in (limit, ctx) if x) if (limit or ctx) else 0
         self._cost = None
         self._timings: list[float] | None = None
+        self._busy = 0  # calls inside the worker now (the scheduler waits for rows only while > its batch)
+        self.evicted_for_memory = 0
+        self.batch = batch if batch is not None and batch.enabled else None
+        self.scheduler = None
+        if self.batch is not None:
+            from .batching import BatchScheduler, pool_tokens
+            from .kvpool import KVPool
+
+            tokens = pool_tokens(self.batch, self.cfg.max_sessions, self.max_context)
+            pool = KVPool(loaded.model, max_tokens=tokens, block_size=self.batch.block_size)
+            self.scheduler = BatchScheduler(loaded.model, pool, self.batch, evict=self._evict_for,
+                                            busy=lambda: self._busy)
 
     def _new_session(self, ids):
         raise NotImplementedError
+
+    def _kv(self):
+        """Where a new session keeps its keys and values (None: its own cache)."""
+        if self.scheduler is None:
+            return None
+        from .batching import PooledKV
+
+        return PooledKV(self.scheduler)
+
+    @staticmethod
+    def _dropped(sess) -> None:
+        sess.close()
+
+    def _evict_for(self, blocks: int) -> bool:
+        """Scheduler thread, KV pool full: drop idle sessions, least recently used first, until
+        `blocks` blocks are free. A busy session (its call holds its lock) is never dropped."""
+        pool = self.scheduler.pool
+        with self.lock:
+            for sid, sess in self.sessions.oldest_first():
+                if pool.blocks_total - pool.blocks_used >= blocks:
+                    break
+                if not sess.lock.acquire(blocking=False):
+                    continue
+                try:
+                    self.sessions.pop(sid)
+                    sess.close()
+                    self.evicted_for_memory += 1
+                finally:
+                    sess.lock.release()
+        return pool.blocks_total - pool.blocks_used >= blocks
+
+    @contextmanager
+    def _using(self, sid: str, create_ids=None):
+        """Hold session `sid` for one call (NotFound if it is not held; created from create_ids)."""
+        check_session_id(sid)
+        with self._counted():
+            with self.lock:
+                sess = self.sessions.get(sid)
+                created = False
+                if sess is None:
+                    if create_ids is None:
+                        raise NotFound("session_id", f"session {sid!r} is not held by this {self.kind} "
+                                                     f"(instance {self.instance_id})")
+                    sess = self._new_session(create_ids)
+                    sess.lock = threading.Lock()
+                    self.sessions.put(sid, sess)
+                    created = True
+            guard = self.lock if self.scheduler is None else sess.lock
+            with guard:
+                if sess.closed:  # evicted between the lookup and the lock: the caller re-syncs
+                    raise NotFound("session_id", f"session {sid!r} was evicted from this {self.kind} "
+                                                 f"(instance {self.instance_id}) to free KV memory")
+                yield sess, created
+
+    @contextmanager
+    def _counted(self):
+        with self.lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._busy -= 1
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as Hugging Face files (save_pretrained), computed once."""
@@ -169,13 +264,15 @@ class _Worker:
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest, max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id, forward_ms=self.timings(),
+            **self._kv_info(),
         )
 
-    def _get(self, sid: str):
-        sess = self.sessions.get(check_session_id(sid))
-        if sess is None:
-            raise NotFound("session_id", f"session {sid!r} is not held by this {self.kind} (instance {self.instance_id})")
-        return sess
+    def _kv_info(self) -> dict:
+        if self.scheduler is None:
+            return {}
+        pool = self.scheduler.pool
+        return dict(kv_blocks_total=pool.blocks_total, kv_blocks_used=pool.blocks_used, kv_block_size=pool.block_size,
+                    max_batch_rows=self.batch.max_rows)
 
     @staticmethod
     def _check(sess, expect: Expect | None, what: str) -> None:
@@ -196,19 +293,28 @@ class _Worker:
         if not ids:
             raise InvalidArgument("token_ids", "must not be empty")
         self._check_len(len(ids))
-        with self.lock:
-            sess = self.sessions.get(sid)
-            if sess is None:
-                sess = self._new_session(ids)
-                self.sessions.put(sid, sess)
-                reused = 0
-            else:
-                reused = sess.sync(ids)
+        with self._using(sid, create_ids=ids) as (sess, created):
+            reused = 0 if created else sess.sync(ids)
             return reused, Expect.of(sess.ids)
 
     def end(self, sid: str) -> bool:
+        check_session_id(sid)
         with self.lock:
-            return self.sessions.pop(check_session_id(sid)) is not None
+            sess = self.sessions.pop(sid)
+        if sess is None:
+            return False
+        with (self.lock if self.scheduler is None else sess.lock):
+            sess.close()
+        return True
+
+    def batch_info(self) -> dict:
+        """KV pool occupancy and batching counters (empty without batching)."""
+        if self.scheduler is None:
+            return {}
+        pool, st = self.scheduler.pool, self.scheduler.stats
+        return dict(kv_blocks_total=pool.blocks_total, kv_blocks_used=pool.blocks_used, kv_block_size=pool.block_size,
+                    kv_occupancy=pool.occupancy, batches=st.batches, batch_rows=st.rows, batch_tokens=st.tokens,
+                    evictions=self.evicted_for_memory, exhausted=st.exhausted)
 
 
 @dataclass
@@ -216,8 +322,10 @@ class VerifyReply:
     num_accepted: int
     next_token: int
     accepted: list[bool]
-    forward_s: float
+    forward_s: float  # the verification's time in the verifier (queue wait included)
     context: Expect
+    batch_size: int = 1  # sessions in the batched forward that verified this block
+    queue_wait_s: float = 0.0  # time the block waited for its batch to start
 
 
 class VerifierWorker(_Worker):
@@ -226,20 +334,22 @@ class VerifierWorker(_Worker):
     kind = "verifier"
 
     def _new_session(self, ids):
-        return TargetSession(self.loaded.model, ids, self.loaded.device)
+        return TargetSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
     def verify(self, sid: str, expect: Expect | None, drafts, q_rows, round_index: int, params: SamplingParams,
                seed: int) -> VerifyReply:
         drafts = _check_ids("draft_token_ids", drafts, self.vocab)
         if round_index < 0:
             raise InvalidArgument("round_index", "must be >= 0")
-        with self.lock:
-            sess = self._get(sid)
+        with self._using(sid) as (sess, _):
             self._check(sess, expect, "verify")
             self._check_len(len(sess.ids) + len(drafts) + 1)
             res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed)
             o = res.outcome
-            return VerifyReply(o.num_accepted, o.next_token, list(o.accepted), res.forward_s, Expect.of(sess.ids))
+            last = getattr(sess.kv, "last", None)
+            return VerifyReply(o.num_accepted, o.next_token, list(o.accepted), res.forward_s, Expect.of(sess.ids),
+                               batch_size=last.batch_rows if last else 1,
+                               queue_wait_s=last.queue_wait_s if last else 0.0)
 
 
 class DrafterWorker(_Worker):
@@ -248,13 +358,13 @@ class DrafterWorker(_Worker):
     kind = "drafter"
     max_masks = 16
 
-    def __init__(self, loaded, cfg: WorkerConfig | None = None):
-        super().__init__(loaded, cfg)
+    def __init__(self, loaded, cfg: WorkerConfig | None = None, batch=None):
+        super().__init__(loaded, cfg, batch)
         self.masks: OrderedDict[str, AllowedSet] = OrderedDict()
         self._all: AllowedSet | None = None
 
     def _new_session(self, ids):
-        return DrafterSession(self.loaded.model, ids, self.loaded.device)
+        return DrafterSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
     def set_allowed(self, key: str, mask) -> int:
         if not isinstance(key, str) or not key or len(key) > 256:
@@ -301,8 +411,7 @@ class DrafterWorker(_Worker):
             self._check(sess, expect, "draft")
 
     def commit(self, sid: str, edit, expect: Expect | None) -> Expect:
-        with self.lock:
-            sess = self._get(sid)
+        with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
             return Expect.of(sess.ids)
 
@@ -314,14 +423,16 @@ class DrafterWorker(_Worker):
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
         with self.lock:
             allowed = self.allowed(allowed_key)
-            sess = self._get(sid)
+        with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k)
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below)
-        # the lock is taken per token, never held across a yield: a consumer that stops reading
-        # (a cancelled stream) cannot block the model
+        # the session is held per token, never across a yield: a consumer that stops reading (a
+        # cancelled stream) blocks nothing
         while True:
-            with self.lock:
+            with self._using(sid) as (now, _):
+                if now is not sess:
+                    raise FailedPrecondition(f"session {sid!r} was replaced while drafting")
                 tok = next(it, None)
             if tok is None:
                 return

@@ -3,7 +3,8 @@
 They have the signatures of :class:`crossdraft.workers.DrafterWorker` / ``VerifierWorker`` so that
 :class:`crossdraft.decode.Decoder` runs the same code in process and here. gRPC failures become
 core errors: NOT_FOUND -> NotFound and FAILED_PRECONDITION -> FailedPrecondition (the loop
-re-syncs), INVALID_ARGUMENT -> InvalidArgument, anything else -> Unavailable.
+re-syncs), INVALID_ARGUMENT -> InvalidArgument, RESOURCE_EXHAUSTED -> ResourceExhausted (a model
+server's KV pool is full of busy sessions: HTTP 429), anything else -> Unavailable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from opentelemetry import trace
 
 from crossdraft import rpc, wire
 from crossdraft.sessions import DraftToken
-from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from crossdraft.workers import VerifyReply
 
@@ -29,6 +30,8 @@ def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
         return NotFound("session_id", f"{who} {addr}: {msg}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(f"{who} {addr}: {msg}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{who} {addr}: {msg}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, rest = (msg or "").partition(": ")
         return InvalidArgument(field or who, rest or msg)
@@ -107,7 +110,8 @@ class RemoteVerifier(_Remote):
                 req.q.append(wire.sparse_to_proto(ids, probs))
         r = self._call("Verify", self.stub.Verify, req)
         return VerifyReply(r.num_accepted, r.next_token_id, list(r.accepted), r.forward_ms / 1e3,
-                           wire.expect_from_proto(r.context))
+                           wire.expect_from_proto(r.context), batch_size=r.batch_size or 1,
+                           queue_wait_s=r.queue_wait_ms / 1e3)
 
     def end(self, sid) -> bool:
         return self._call("EndVerifierSession", self.stub.EndVerifierSession,

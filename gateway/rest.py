@@ -22,6 +22,7 @@ from crossdraft.errors import (CrossdraftError, FailedPrecondition, InvalidArgum
 from .core import OPTION_FIELDS, check_api_key
 
 MAX_BODY_BYTES = 4 << 20
+RETRY_AFTER_S = 1  # 429 / 503: when to try again (a round or two frees KV memory; a restart takes longer)
 # REST field -> gateway option
 REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
                 "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed",
@@ -53,7 +54,9 @@ def error_response(exc: Exception) -> JSONResponse:
         status, etype, param = 401, "authentication_error", "authorization"
     elif not isinstance(exc, CrossdraftError):
         msg = f"internal error ({type(exc).__name__})"
-    return JSONResponse({"error": {"message": msg, "type": etype, "param": param, "code": status}}, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse({"error": {"message": msg, "type": etype, "param": param, "code": status}}, status_code=status,
+                        headers=headers)
 
 
 async def _json_body(request: Request) -> dict:

@@ -46,7 +46,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         FORWARD_SECONDS.observe(r.forward_s)
         return verifier_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token_id=r.next_token,
                                            accepted=r.accepted, forward_ms=r.forward_s * 1e3,
-                                           context=wire.expect_to_proto(r.context))
+                                           context=wire.expect_to_proto(r.context), batch_size=r.batch_size,
+                                           queue_wait_ms=r.queue_wait_s * 1e3)
 
     def EndVerifierSession(self, request, context):
         return verifier_pb2.EndVerifierSessionResponse(existed=self.state.get().end(request.session_id))

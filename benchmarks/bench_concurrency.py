@@ -1,0 +1,276 @@
+"""Benchmark: aggregate throughput through the REST gateway with many concurrent clients.
+
+The whole stack runs as separate processes on 127.0.0.1 (Redis, drafter, verifier, gateway), once
+per code version: this checkout (batched model servers) and, with ``--baseline REV``, the code of
+an earlier commit checked out into a git worktree (e.g. the last commit before batching), in the
+same run, on the same machine, with the same prompts. For each version, mode (speculative /
+target-only), temperature and number of clients, N client threads send requests (16+ distinct code
+and prose prompts, round robin) and the run reports completion tokens per second over the wall
+time of the point, and the p50 / p95 request latency.
+
+Greedy fidelity: every greedy request's text is compared with the same prompt's text from the
+1-client point of the same version and mode (a batch of one): batching must not change a token.
+
+Writes ``<out>/<tag>.json`` (with the measured commit) and, if matplotlib is importable,
+``<out>/<tag>.png``.
+
+Usage: python benchmarks/bench_concurrency.py [--target gemma3-270m] [--drafter smollm2-135m]
+       [--clients 1,2,4,8,16,32] [--temperatures 0,0.7] [--modes spec,target] [--max-new-tokens 64]
+       [--baseline 44fe2e0] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import requests  # noqa: E402
+
+from bench import MIXED_PROMPTS, _cpu_name, git_commit, humaneval_prompts  # noqa: E402
+from crossdraft.redis_server import RedisServer  # noqa: E402
+from tests.service_fixtures import free_port  # noqa: E402
+
+
+def prompts(n: int) -> list[str]:
+    """n distinct prompts: the mixed set (code, prose, SQL, Chinese) then HumanEval."""
+    out = [p for _, p in MIXED_PROMPTS]
+    out += humaneval_prompts(max(0, n - len(out)))
+    return out[:n]
+
+
+class Service:
+    """One service process of a given code checkout (its own cwd, so its own code)."""
+
+    def __init__(self, code: Path, name: str, args: list[str], log_dir: Path, threads: int):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(code))
+        self.p = subprocess.Popen([sys.executable, "-m", *args], cwd=code, stdout=self.log, stderr=subprocess.STDOUT,
+                                  env=env)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+class Stack:
+    def __init__(self, code: Path, a, log_dir: Path, extra_model_args: list[str]):
+        self.procs: list[Service] = []
+        self.redis = RedisServer().start()
+        dp, vp, hp, gp = free_port(), free_port(), free_port(), free_port()
+        common = ["--host", "127.0.0.1", "--dtype", a.dtype, "--max-sessions", "128"] + extra_model_args
+        if a.drafter:
+            self.procs.append(Service(code, "drafter", ["drafter", "--model", a.drafter, "--port", str(dp)] + common,
+                                      log_dir, a.threads))
+        self.procs.append(Service(code, "verifier", ["verifier", "--model", a.target, "--port", str(vp)] + common,
+                                  log_dir, a.threads))
+        gw = ["gateway", "--verifier", f"127.0.0.1:{vp}", "--redis-url", self.redis.url, "--host", "127.0.0.1",
+              "--http-port", str(hp), "--grpc-port", str(gp), "--drafter-timeout-s", "120", "--connect-timeout-s", "900"]
+        if a.drafter:
+            gw += ["--drafter", f"127.0.0.1:{dp}"]
+        self.procs.append(Service(code, "gateway", gw, log_dir, 1))
+        self.url = f"http://127.0.0.1:{hp}"
+        t0 = time.time()
+        while time.time() - t0 < 1200:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            if any(p.p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a service exited; see {log_dir}")
+            time.sleep(1)
+        raise RuntimeError("the stack did not get ready")
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+        self.redis.stop()
+
+
+def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool, seed: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": a.max_new_tokens, "temperature": temperature, "seed": seed,
+            "use_drafter": use_drafter}
+    t0 = time.perf_counter()
+    r = requests.post(url + "/v1/completions", json=body, timeout=3600)
+    dt = time.perf_counter() - t0
+    if r.status_code != 200:
+        return {"ok": False, "status": r.status_code, "latency_s": dt, "error": r.text[:300]}
+    d = r.json()
+    st = d.get("speculative", {})
+    return {"ok": True, "latency_s": dt, "text": d["choices"][0]["text"], "tokens": d["usage"]["completion_tokens"],
+            "rounds": st.get("rounds", 0), "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0)}
+
+
+def point(url: str, ps: list[str], a, clients: int, temperature: float, use_drafter: bool) -> dict:
+    """`clients` threads; request i (prompt i % len(ps)) goes to thread i % clients; all start together."""
+    n_req = max(a.min_requests, clients * a.requests_per_client)
+    jobs: list[list[int]] = [[] for _ in range(clients)]
+    for i in range(n_req):
+        jobs[i % clients].append(i)
+    results: dict[int, dict] = {}
+    barrier = threading.Barrier(clients + 1)
+
+    def client(c):
+        barrier.wait()
+        for i in jobs[c]:
+            results[i] = one_request(url, ps[i % len(ps)], a, temperature, use_drafter, seed=i)
+
+    ts = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in ts:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [results[i] for i in range(n_req) if results[i]["ok"]]
+    lat = sorted(r["latency_s"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    drafted = sum(r["drafted"] for r in ok)
+
+    def pct(q):
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+
+    return {"clients": clients, "requests": n_req, "failed": n_req - len(ok), "wall_s": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "p50_latency_s": pct(0.5), "p95_latency_s": pct(0.95),
+            "mean_latency_s": statistics.mean(lat) if lat else 0.0,
+            "acceptance": sum(r["accepted"] for r in ok) / drafted if drafted else 0.0,
+            "texts": {i: results[i].get("text") for i in range(n_req)}}
+
+
+def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: list[str]) -> dict:
+    print(f"[{label}] starting the stack from {code}", flush=True)
+    stack = Stack(code, a, log_dir / label, extra)
+    out = {"label": label, "code": str(code), "points": []}
+    try:
+        one_request(stack.url, "def warm_up(x):\n", a, 0.0, True, 0)  # load, time the costs, JIT paths
+        modes = [m for m in a.modes.split(",") if m]
+        for mode in modes:
+            use_drafter = mode == "spec"
+            if use_drafter and not a.drafter:
+                continue
+            for temperature in [float(x) for x in a.temperatures.split(",")]:
+                alone = None
+                for clients in [int(x) for x in a.clients.split(",")]:
+                    p = point(stack.url, ps, a, clients, temperature, use_drafter)
+                    p.update(mode=mode, temperature=temperature)
+                    if temperature == 0.0:
+                        texts = p["texts"]
+                        if alone is None:
+                            alone = {i % len(ps): t for i, t in texts.items()}
+                        same = [t == alone.get(i % len(ps)) for i, t in texts.items() if i % len(ps) in alone]
+                        p["greedy_identical"] = f"{sum(same)}/{len(same)}"
+                    del p["texts"]
+                    out["points"].append(p)
+                    print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: {p['tokens_per_s']:7.2f} tok/s  "
+                          f"p50 {p['p50_latency_s']:6.2f} s  p95 {p['p95_latency_s']:6.2f} s  "
+                          f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}",
+                          flush=True)
+    finally:
+        stack.stop()
+    return out
+
+
+def baseline_checkout(rev: str, tmp: Path) -> Path:
+    path = tmp / f"baseline-{rev}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev], check=True,
+                   stdout=subprocess.DEVNULL)
+    protos = sorted(str(p.relative_to(path)) for p in (path / "proto" / "crossdraft" / "v1").glob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", "--python_out=.", "--grpc_python_out=.",
+                    "--pyi_out=.", *protos], cwd=path, check=True)
+    (path / "crossdraft" / "v1" / "__init__.py").write_text("")
+    return path
+
+
+def plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in res["versions"]:
+        keys = sorted({(p["mode"], p["temperature"]) for p in v["points"]})
+        for mode, temp in keys:
+            pts = [p for p in v["points"] if p["mode"] == mode and p["temperature"] == temp]
+            ax.plot([p["clients"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o",
+                    linestyle="-" if v["label"] == "batched" else "--", label=f"{v['label']} {mode} T={temp:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate completion tokens/s")
+    m = res["meta"]
+    ax.set_title(f"{m['drafter']} -> {m['target']} ({m['dtype']}, {m['cpu']})", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="gemma3-270m")
+    ap.add_argument("--drafter", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--clients", default="1,2,4,8,16,32")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--modes", default="spec,target")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=1)
+    ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--baseline", default="", help="git revision of the code to compare with (run from a worktree)")
+    ap.add_argument("--model-args", default="", help="extra flags for this checkout's model servers")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    ps = prompts(a.prompts)
+    tmp = Path(tempfile.mkdtemp(prefix="crossdraft-conc-"))
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    versions = [run_version("batched", ROOT, a, ps, log_dir, a.model_args.split())]
+    base = None
+    if a.baseline:
+        base = baseline_checkout(a.baseline, tmp)
+        try:
+            versions.append(run_version(f"before ({a.baseline})", base, a, ps, log_dir, []))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
+                    "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
+                    "prompts": len(ps), **git_commit(), "baseline": a.baseline, "time": time.strftime("%Y-%m-%d %H:%M")},
+           "versions": versions}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = a.tag or f"concurrency-{a.drafter or 'none'}-{a.target}"
+    (out / f"{tag}.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / (tag + '.json')}", flush=True)
+    if plot(res, out / f"{tag}.png"):
+        print(f"wrote {out / (tag + '.png')}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""The batching scheduler of a model server: many sessions' forwards in ONE model forward.
+
+Callers (the gRPC handler threads of a verifier or drafter, one per in-flight request) submit a
+row -- a session's KV-pool handle, the position it starts at, the tokens to feed, how many of the
+last rows of logits it needs, and optionally a pruned LM head -- and block until it has run. One
+loop thread takes the first waiting row, gathers more until a row cap, a token cap or a short
+wait is reached, runs ONE :func:`crossdraft.kvpool.batched_forward` and hands each caller its
+rows. A session is in a batch at most once (its caller waits for its row). Long feeds (a prefill,
+a sync after a cache miss) are cut into chunks of ``prefill_chunk`` tokens, each a separate row,
+so one long prompt delays other sessions' rounds by at most one chunk's share of a forward.
+
+The wait for more rows only happens while other callers are inside the worker (``busy()``
+counts them): with one client a row runs at once, so batching costs a single user nothing.
+
+Memory: the KV pool (paged, preallocated) holds every session's keys and values. When a row
+cannot get blocks, the worker's ``evict`` callback drops idle sessions, least recently used
+first (they re-sync later: slower, never different); if nothing can be evicted the row fails with
+:class:`crossdraft.errors.ResourceExhausted` (gRPC RESOURCE_EXHAUSTED, HTTP 429 at the gateway).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument, NotFound, ResourceExhausted
+from .kvpool import KVPool, PoolFull, Row, batched_forward
+
+log = logging.getLogger("crossdraft.batching")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How a model server batches the forwards of its sessions."""
+
+    enabled: bool = True  # False: one forward at a time, each session with its own cache
+    max_rows: int = 32  # sessions in one forward at most
+    max_tokens: int = 4096  # tokens (rows x their lengths) in one forward at most
+    max_wait_ms: float = 3.0  # how long the first row waits for others while more callers are busy
+    prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
+    kv_cache_tokens: int = 0  # KV pool size in tokens (0 = max_sessions x min(context, 4096))
+    block_size: int = 16  # tokens per KV block
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_tokens", "prefill_chunk", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgument(name, f"must be an integer >= 1, got {v!r}")
+        if not 0 <= self.max_wait_ms <= 1000:
+            raise InvalidArgument("max_wait_ms", f"must be in [0, 1000], got {self.max_wait_ms}")
+        if self.kv_cache_tokens < 0:
+            raise InvalidArgument("kv_cache_tokens", "must be >= 0 (0 = automatic)")
+        if self.max_tokens < self.prefill_chunk:
+            raise InvalidArgument("max_tokens", "must be >= prefill_chunk")
+
+
+class KVSlot:
+    """One session's place in the pool. ``handle`` is assigned and freed on the loop thread only."""
+
+    __slots__ = ("handle", "closed")
+
+    def __init__(self):
+        self.handle: int | None = None
+        self.closed = False
+
+
+class _Job:
+    __slots__ = ("slot", "start", "tokens", "keep", "head", "done", "result", "error", "t_submit", "wait_s",
+                 "batch_rows", "batch_tokens")
+
+    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head):
+        self.slot = slot
+        self.start = start
+        self.tokens = tokens
+        self.keep = keep
+        self.head = head
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+        self.t_submit = time.perf_counter()
+        self.wait_s = 0.0
+        self.batch_rows = 0
+        self.batch_tokens = 0
+
+
+@dataclass
+class ForwardInfo:
+    """What one caller's forward looked like from inside the scheduler."""
+
+    queue_wait_s: float = 0.0  # waiting for a batch to start (all chunks)
+    batch_rows: int = 1  # rows of the batch that computed the caller's logits
+    batch_tokens: int = 0
+    chunks: int = 0
+
+
+class BatchStats:
+    """Counters and histograms (plain numbers; the servers export them to Prometheus)."""
+
+    ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def __init__(self):
+        self.batches = 0
+        self.rows = 0
+        self.tokens = 0
+        self.rows_hist = [0] * (len(self.ROW_BUCKETS) + 1)
+        self.evictions = 0
+        self.exhausted = 0
+        self.forward_s = 0.0
+        self.queue_wait_s = 0.0
+        self.observers: list = []  # callables(rows, tokens, queue_waits_s) run after each batch
+
+    def record(self, rows: int, tokens: int, waits: list[float], forward_s: float) -> None:
+        self.batches += 1
+        self.rows += rows
+        self.tokens += tokens
+        self.forward_s += forward_s
+        self.queue_wait_s += sum(waits)
+        i = next((j for j, b in enumerate(self.ROW_BUCKETS) if rows <= b), len(self.ROW_BUCKETS))
+        self.rows_hist[i] += 1
+        for fn in self.observers:
+            try:
+                fn(rows, tokens, waits)
+            except Exception:  # metrics must never break a forward
+                log.exception("batch observer failed")
+
+
+class BatchScheduler:
+    """One loop thread running batched forwards of one model over one :class:`KVPool`."""
+
+    def __init__(self, model, pool: KVPool, cfg: BatchConfig, *, evict=None, busy=None):
+        self.model = model
+        self.pool = pool
+        self.cfg = cfg
+        self.evict = evict  # callable(blocks_needed) -> bool: free idle sessions' blocks
+        self.busy = busy or (lambda: 0)  # callable: callers inside the worker right now
+        self.stats = BatchStats()
+        self._q: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._releases: list[KVSlot] = []
+        self._thread = threading.Thread(target=self._loop, name="crossdraft-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- slots: a session's place in the pool -------------------------------------------------------
+    # Every pool mutation happens on the loop thread (between or inside batches), so the pool
+    # needs no lock and callers never wait for a forward just to roll back or to leave.
+    def release(self, slot: "KVSlot") -> None:
+        """The session is gone: free its blocks (now on the loop thread, else before the next batch)."""
+        slot.closed = True
+        if threading.current_thread() is self._thread:
+            self._free(slot)
+        else:
+            with self._cv:
+                self._releases.append(slot)
+                self._cv.notify()
+
+    def _free(self, slot: "KVSlot") -> None:
+        if slot.handle is not None:
+            self.pool.free(slot.handle)
+            slot.handle = None
+
+    # ---- the callers' side ----------------------------------------------------------------------
+    def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int, head=None) -> tuple[torch.Tensor, ForwardInfo]:
+        """Feed tokens at positions start..; block until done; (logits [keep, V or A] float32, info).
+
+        The slot's KV entries from ``start`` on are replaced (a rollback is just a smaller start)."""
+        if slot.closed:
+            raise NotFound("session_id", "the session's KV slot was released (evicted); re-sync")
+        info = ForwardInfo()
+        out = None
+        pos = start
+        for piece, last in _chunks(tokens, self.cfg.prefill_chunk, keep):
+            job = _Job(slot, pos, piece, keep if last else 1, head if last else None)
+            with self._cv:
+                if self._stop:
+                    raise ResourceExhausted("the model server is shutting down")
+                self._q.append(job)
+                self._cv.notify()
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            info.queue_wait_s += job.wait_s
+            info.batch_rows, info.batch_tokens = job.batch_rows, job.batch_tokens
+            info.chunks += 1
+            out = job.result
+            pos += len(piece)
+        return out, info
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(5)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _gather(self) -> list[_Job] | None:
+        cfg = self.cfg
+        with self._cv:
+            while not self._q and not self._stop and not self._releases:
+                self._cv.wait()
+            releases, self._releases = self._releases, []
+            for slot in releases:
+                self._free(slot)
+            if self._stop:
+                return None
+            if not self._q:
+                return []
+            batch = [self._q.popleft()]
+            slots = {id(batch[0].slot)}
+            tokens = len(batch[0].tokens)
+            deadline = time.perf_counter() + cfg.max_wait_ms / 1000.0
+            skipped: list[_Job] = []
+            while len(batch) < cfg.max_rows:
+                if self._q:
+                    job = self._q.popleft()
+                    if id(job.slot) in slots or tokens + len(job.tokens) > cfg.max_tokens:
+                        skipped.append(job)  # next batch
+                        if tokens + len(job.tokens) > cfg.max_tokens:
+                            break
+                        continue
+                    batch.append(job)
+                    slots.add(id(job.slot))
+                    tokens += len(job.tokens)
+                    continue
+                # nothing queued: wait a little only while other callers may be about to submit
+                now = time.perf_counter()
+                if now >= deadline or self.busy() <= len(batch):
+                    break
+                self._cv.wait(deadline - now)
+            self._q.extendleft(reversed(skipped))
+            return batch
+
+    def _reserve(self, batch: list[_Job]) -> list[_Job]:
+        """Give every row a handle and its blocks (evicting idle sessions if needed); fail rows that
+        cannot get them."""
+        ok = []
+        pool = self.pool
+        for job in batch:
+            try:
+                if job.slot.closed:
+                    raise NotFound("session_id", "the session was dropped (evicted); re-sync")
+                if job.slot.handle is None:
+                    job.slot.handle = pool.alloc()
+                h = job.slot.handle
+                if job.start > pool.length(h):
+                    raise InvalidArgument("start", f"row starts at {job.start}, the slot holds {pool.length(h)}")
+                if job.start < pool.length(h):
+                    pool.truncate(h, job.start)
+                end = job.start + len(job.tokens)
+                try:
+                    pool.ensure(h, end)
+                except PoolFull:
+                    need = -(-end // pool.block_size) - len(pool.block_table(h))
+                    if self.evict is None or not self.evict(need):
+                        raise
+                    self.stats.evictions += 1
+                    pool.ensure(h, end)
+                ok.append(job)
+            except PoolFull:
+                self.stats.exhausted += 1
+                job.error = ResourceExhausted(
+                    f"kv cache full: {pool.blocks_used} of {pool.blocks_total} blocks held by busy sessions; retry later")
+                job.done.set()
+            except Exception as e:  # a slot released meanwhile and the like
+                job.error = e
+                job.done.set()
+        return ok
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._gather()
+            if batch is None:
+                with self._cv:
+                    for job in self._q:
+                        job.error = ResourceExhausted("the model server is shutting down")
+                        job.done.set()
+                    self._q.clear()
+                return
+            batch = self._reserve(batch)
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            waits = [t0 - j.t_submit for j in batch]
+            tokens = sum(len(j.tokens) for j in batch)
+            rows = [Row(j.slot.handle, j.start, j.tokens, j.keep) for j in batch]
+            try:
+                outs = batched_forward(self.model, self.pool, rows, head=[j.head for j in batch])
+            except BaseException as e:  # never leave a caller waiting
+                log.exception("batched forward failed")
+                for j in batch:
+                    j.error = e
+                    j.done.set()
+                continue
+            dt = time.perf_counter() - t0
+            self.stats.record(len(batch), tokens, waits, dt)
+            for j, out, w in zip(batch, outs, waits):
+                j.result = out
+                j.wait_s = w
+                j.batch_rows = len(batch)
+                j.batch_tokens = tokens
+                j.done.set()
+
+
+class PooledKV:
+    """A session's KV cache as a slot in a model server's shared pool; its forwards are batched
+    with other sessions' by the :class:`BatchScheduler` (the counterpart of
+    :class:`crossdraft.sessions.OwnKV`). The session's length is kept here: a rollback only moves
+    it, and the pool follows at the session's next forward."""
+
+    def __init__(self, scheduler: BatchScheduler):
+        self.sched = scheduler
+        self.slot = KVSlot()
+        self.n = 0
+        self.last = ForwardInfo()  # how the latest forward was batched
+
+    def length(self) -> int:
+        return self.n
+
+    def crop(self, n: int) -> None:
+        if n > self.n:
+            raise ValueError(f"cannot crop a cache of {self.n} tokens to {n}")
+        self.n = n
+
+    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+        out, self.last = self.sched.forward(self.slot, start, feed, keep, head)
+        self.n = start + len(feed)
+        return out
+
+    def close(self) -> None:
+        self.sched.release(self.slot)
+
+
+def _chunks(tokens: list[int], chunk: int, keep: int):
+    """(piece, is_last) of at most `chunk` tokens each; the last piece holds at least `keep`
+    tokens (the rows whose logits are wanted are computed in one forward)."""
+    sizes = [chunk] * (len(tokens) // chunk)
+    if len(tokens) % chunk:
+        sizes.append(len(tokens) % chunk)
+    if len(sizes) > 1 and sizes[-1] < keep:
+        move = min(keep - sizes[-1], sizes[-2])
+        sizes[-2] -= move
+        sizes[-1] += move
+        if sizes[-2] == 0:
+            del sizes[-2]
+    i = 0
+    for j, n in enumerate(sizes):
+        yield tokens[i:i + n], j == len(sizes) - 1
+        i += n
+
+
+def pool_tokens(cfg: BatchConfig, max_sessions: int, max_context: int) -> int:
+    """The KV pool's size in tokens: the flag, else room for max_sessions of min(context, 4096)."""
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens
+    per = min(max_context or 4096, 4096)
+    return max(1, max_sessions) * per
+
+
+__all__ = ["BatchConfig", "BatchScheduler", "BatchStats", "ForwardInfo", "KVSlot", "PooledKV", "pool_tokens"]

@@ -1,0 +1,260 @@
+"""Batched model workers: many sessions' forwards in one forward, same tokens as one at a time.
+
+Real (tiny, random-init, fp32) transformers models; the concurrency is real threads, as the gRPC
+handler threads of a model server would be. Work is counted (forwards, rows per forward), never
+timed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from crossdraft.batching import BatchConfig
+from crossdraft.decode import Decoder
+from crossdraft.errors import NotFound, ResourceExhausted
+from crossdraft.policy import DraftConfig
+from crossdraft.sampling import SamplingParams
+from crossdraft.vocab import TokenPair
+from crossdraft.workers import DrafterWorker, Expect, VerifierWorker, WorkerConfig
+from tests.tiny_models import tiny_lm
+
+GREEDY = SamplingParams()
+WCFG = WorkerConfig(max_sessions=64)
+
+
+@pytest.fixture(scope="module")
+def drafter(tok_d):
+    return tiny_lm(tok_d, seed=2, arch="llama")
+
+
+def _prompts(tok, n):
+    rng = np.random.default_rng(0)
+    vocab = len(tok)
+    # different lengths: 3 .. 60 tokens
+    return [[int(x) for x in rng.integers(5, vocab - 5, size=3 + 7 * i % 58)] for i in range(n)]
+
+
+def _forward_counter(model):
+    calls = []
+    h = model.model.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["input_ids"].shape),
+                                              with_kwargs=True)
+    return calls, h
+
+
+def _run_threads(fns):
+    errors = []
+    start = threading.Barrier(len(fns))
+
+    def wrap(fn):
+        try:
+            start.wait()
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=wrap, args=(f,)) for f in fns]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a caller hung"
+    if errors:
+        raise errors[0]
+
+
+def test_concurrent_verifications_share_forwards_and_give_the_one_by_one_answers(target, tok_t):
+    prompts = _prompts(tok_t, 8)
+    blocks = [[7 + i, 9, 11 + i][: 1 + i % 3] for i in range(8)]
+    ref = VerifierWorker(target, WCFG)
+    want = []
+    for i, (p, b) in enumerate(zip(prompts, blocks)):
+        ref.sync(f"s{i}", p)
+        r1 = ref.verify(f"s{i}", None, b, None, 0, GREEDY, 0)
+        r2 = ref.verify(f"s{i}", None, [r1.next_token], None, 1, GREEDY, 0)  # a second round on the cache
+        want.append((r1.num_accepted, r1.next_token, r2.num_accepted, r2.next_token))
+
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=200))
+    calls, hook = _forward_counter(target.model)
+    got = [None] * 8
+    try:
+        def one(i):
+            def fn():
+                w.sync(f"s{i}", prompts[i])
+                r1 = w.verify(f"s{i}", Expect.of(prompts[i]), blocks[i], None, 0, GREEDY, 0)
+                r2 = w.verify(f"s{i}", None, [r1.next_token], None, 1, GREEDY, 0)
+                got[i] = (r1.num_accepted, r1.next_token, r2.num_accepted, r2.next_token)
+            return fn
+
+        _run_threads([one(i) for i in range(8)])
+    finally:
+        hook.remove()
+        w.scheduler.close()
+    assert got == want
+    st = w.scheduler.stats
+    # 16 verifications ran in fewer forwards than 16, and every forward went through the scheduler
+    assert len(calls) == st.batches < 16
+    assert max(shape[0] for shape in calls) > 1  # some forward carried several sessions
+    assert st.rows == 16
+
+
+def test_a_lone_caller_does_not_wait_for_a_batch(target, tok_t):
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=1000))
+    try:
+        w.sync("solo", _prompts(tok_t, 1)[0])
+        r = w.verify("solo", None, [5, 6], None, 0, GREEDY, 0)
+        # with a 1 s max wait, a single busy caller must not wait for company
+        assert r.batch_size == 1 and r.queue_wait_s < 0.5
+    finally:
+        w.scheduler.close()
+
+
+def test_long_prefill_runs_in_chunks(target, tok_t):
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(prefill_chunk=16, max_tokens=64))
+    calls, hook = _forward_counter(target.model)
+    try:
+        p = [int(x) for x in np.random.default_rng(1).integers(5, len(tok_t) - 5, size=70)]
+        w.sync("long", p)
+        w.verify("long", None, [5], None, 0, GREEDY, 0)
+    finally:
+        hook.remove()
+        w.scheduler.close()
+    # 70 uncached tokens + 1 draft = 71 tokens fed in chunks of at most 16
+    assert [s[1] for s in calls] == [16, 16, 16, 16, 7] and all(s[0] == 1 for s in calls)
+
+
+def test_full_pool_evicts_idle_sessions_which_resync_to_the_same_answer(target, tok_t):
+    prompts = _prompts(tok_t, 6)
+    ref = VerifierWorker(target, WCFG)
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(kv_cache_tokens=96, block_size=8, prefill_chunk=32,
+                                                       max_tokens=64))
+    try:
+        for i, p in enumerate(prompts):
+            ref.sync(f"s{i}", p)
+        for rnd in range(2):
+            for i, p in enumerate(prompts):
+                sid = f"s{i}"
+                want = ref.verify(sid, None, [5], None, rnd, GREEDY, 0)
+                try:
+                    got = w.verify(sid, None, [5], None, rnd, GREEDY, 0)
+                except NotFound:  # evicted to make room: the caller re-syncs, as the round loop does
+                    w.sync(sid, ref.sessions.get(sid).ids[: -(want.num_accepted + 1)])
+                    got = w.verify(sid, None, [5], None, rnd, GREEDY, 0)
+                assert (got.num_accepted, got.next_token) == (want.num_accepted, want.next_token)
+        assert w.evicted_for_memory > 0
+        info = w.batch_info()
+        assert info["kv_blocks_used"] <= info["kv_blocks_total"] and info["evictions"] == w.evicted_for_memory
+    finally:
+        w.scheduler.close()
+
+
+def test_a_session_that_cannot_fit_gets_resource_exhausted_and_the_worker_still_serves(target, tok_t):
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(kv_cache_tokens=32, block_size=8, prefill_chunk=16,
+                                                       max_tokens=16))
+    try:
+        big = [int(x) for x in np.random.default_rng(2).integers(5, len(tok_t) - 5, size=60)]
+        w.sync("big", big)
+        with pytest.raises(ResourceExhausted):
+            w.verify("big", None, [5], None, 0, GREEDY, 0)
+        w.end("big")
+        w.sync("small", big[:10])
+        r = w.verify("small", None, [5], None, 0, GREEDY, 0)
+        assert r.context.length == 10 + r.num_accepted + 1
+    finally:
+        w.scheduler.close()
+
+
+def test_ended_sessions_give_their_blocks_back(target, tok_t):
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(block_size=8))
+    try:
+        for i, p in enumerate(_prompts(tok_t, 4)):
+            w.sync(f"e{i}", p)
+            w.verify(f"e{i}", None, [5], None, 0, GREEDY, 0)
+        used = w.batch_info()["kv_blocks_used"]
+        assert used > 0
+        for i in range(4):
+            assert w.end(f"e{i}")
+        w.sync("probe", [5, 6])  # the frees are applied on the scheduler thread before its next batch
+        w.verify("probe", None, [], None, 0, GREEDY, 0)
+        assert w.batch_info()["kv_blocks_used"] == 1
+    finally:
+        w.scheduler.close()
+
+
+def test_round_loops_over_batched_workers_match_the_unbatched_engine(target, drafter, tok_t, tok_d):
+    """Several requests through the shared round loop at once, with drafting and verification
+    both batched: every one gives the tokens it gives alone (greedy, TLI and target-only)."""
+    pair = TokenPair(tok_t, tok_d, target.vocab_size, drafter.vocab_size)
+    texts = ["hello world", "the cat sat on", "def f(x): return", "a b c d e f g", "once upon a time", "x = 1"]
+    params = SamplingParams()
+    cfg = DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli")
+
+    def run(dec, i, use_drafter=True):
+        t_ids, d_ids = pair.encode_target(texts[i]), pair.encode_drafter(texts[i])
+        r = dec.run(f"r{i}", t_ids, d_ids, max_new_tokens=12, params=params, seed=0, draft=cfg, use_drafter=use_drafter)
+        for _ in r:
+            pass
+        return r.result.token_ids
+
+    ref_dec = Decoder(pair, VerifierWorker(target, WCFG), DrafterWorker(drafter, WCFG), eos_ids=target.eos_token_ids)
+    want = [run(ref_dec, i, use_drafter=i % 3 != 0) for i in range(len(texts))]
+
+    vb = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=50))
+    db = DrafterWorker(drafter, WCFG, batch=BatchConfig(max_wait_ms=50))
+    dec = Decoder(pair, vb, db, eos_ids=target.eos_token_ids)
+    got = [None] * len(texts)
+    try:
+        def one(i):
+            def fn():
+                got[i] = run(dec, i, use_drafter=i % 3 != 0)
+            return fn
+
+        _run_threads([one(i) for i in range(len(texts))])
+    finally:
+        vb.scheduler.close()
+        db.scheduler.close()
+    assert got == want
+    assert vb.scheduler.stats.rows > vb.scheduler.stats.batches  # verification was batched
+    assert db.scheduler.stats.rows > db.scheduler.stats.batches  # so was drafting (pruned heads per row)
+
+
+def test_batch_config_rejects_bad_values():
+    from crossdraft.errors import InvalidArgument
+
+    for bad in (dict(max_rows=0), dict(max_wait_ms=-1), dict(kv_cache_tokens=-5), dict(prefill_chunk=0),
+                dict(max_tokens=8, prefill_chunk=16)):
+        with pytest.raises(InvalidArgument):
+            BatchConfig(**bad)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampling_verification_in_shared_batches_is_deterministic(target, tok_t, seed):
+    """Sampling: each row's draws depend on (seed, round, position) only, not on the batch."""
+    prompts = _prompts(tok_t, 6)
+    params = SamplingParams(temperature=0.9)
+    vt = target.vocab_size
+    q_rows = [(np.array([5, 6, 7]), np.array([0.5, 0.3, 0.2]))] * 2
+    ref = VerifierWorker(target, WCFG)
+    want = []
+    for i, p in enumerate(prompts):
+        ref.sync(f"q{i}", p)
+        r = ref.verify(f"q{i}", None, [5, 6], q_rows, 3, params, seed)
+        want.append((r.num_accepted, r.next_token))
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=100))
+    got = [None] * len(prompts)
+    try:
+        def one(i):
+            def fn():
+                w.sync(f"q{i}", prompts[i])
+                r = w.verify(f"q{i}", None, [5, 6], q_rows, 3, params, seed)
+                got[i] = (r.num_accepted, r.next_token)
+            return fn
+
+        _run_threads([one(i) for i in range(len(prompts))])
+    finally:
+        w.scheduler.close()
+    assert got == want and all(0 <= t < vt for _, t in got)
+    assert torch.get_num_threads() >= 1
