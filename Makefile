@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run generate test test-fast bench bench-smoke clean
+.PHONY: venv protos models run generate lint test test-fast bench bench-smoke clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,7 +47,11 @@ generate: venv
 	$(BIN)/crossdraft generate --target $(TARGET) --drafter $(DRAFTER) \
 		--prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96
 
-test: models
+# ruff (rules in pyproject.toml); `make test` runs it first
+lint: venv
+	$(BIN)/ruff check .
+
+test: models lint
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # unit tests only (no real models)

@@ -71,7 +71,8 @@ def humaneval_prompts(n: int) -> list[str]:
 MIXED_PROMPTS = [
     ("code", "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists.\"\"\"\n"),
     ("prose", "Write a short paragraph explaining why the sky is blue.\n\n"),
-    ("sql", "-- Table orders(id, customer_id, total, created_at)\n-- Total revenue per customer in 2024, highest first\nSELECT"),
+    ("sql", "-- Table orders(id, customer_id, total, created_at)\n"
+            "-- Total revenue per customer in 2024, highest first\nSELECT"),
     ("chinese", "请用中文写一段话，介绍一下长城的历史。\n\n"),
     ("code", "class LRUCache:\n    def __init__(self, capacity: int):\n"),
     ("prose", "The three most important things to know about photosynthesis are"),
@@ -252,10 +253,12 @@ def main() -> None:
                 if not a.no_hf:
                     try:
                         gen, secs, cnt = hf_generate(target, d, prompt_ids, a.max_new_tokens, params, seed)
-                        rec(mode, "hf assisted", name, pi, gen, secs, {"drafted": cnt["proposed"], "accepted": cnt["matched"]})
+                        rec(mode, "hf assisted", name, pi, gen, secs,
+                            {"drafted": cnt["proposed"], "accepted": cnt["matched"]})
                     except Exception as e:  # a baseline that crashes is reported, not hidden
                         rec(mode, "hf assisted", name, pi, [], float("nan"), {"error": repr(e)[:300]})
-                res = engines[name].generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed, draft=draft_cfg)
+                res = engines[name].generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed,
+                                             draft=draft_cfg)
                 s = res.stats
                 rec(mode, "crossdraft", name, pi, res.token_ids, s.total_s,
                     {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, "resyncs": s.resyncs})
@@ -273,7 +276,8 @@ def main() -> None:
 
 def ratio_lines(rows, labels) -> list[str]:
     """Speedup vs target-only per mode, drafter and prompt (side by side, same run), plus the total."""
-    out = ["| mode | method | drafter | " + " | ".join(f"p{i} {lab}" for i, lab in enumerate(labels)) + " | all | identical |",
+    out = ["| mode | method | drafter | " + " | ".join(f"p{i} {lab}" for i, lab in enumerate(labels))
+           + " | all | identical |",
            "|---|---|---|" + "---:|" * (len(labels) + 1) + "---|"]
     for (mode, method, drafter), r in rows.items():
         if method == "target-only":
@@ -292,7 +296,8 @@ def ratio_lines(rows, labels) -> list[str]:
             ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
             acc = f" ({x['accepted']}/{x['drafted']})" if "drafted" in x else ""
             cells.append(f"{ratio:.2f}x{acc}")
-            toks, secs, btoks, bsecs = toks + x["tokens"], secs + x["seconds"], btoks + b["tokens"], bsecs + b["seconds"]
+            toks, secs = toks + x["tokens"], secs + x["seconds"]
+            btoks, bsecs = btoks + b["tokens"], bsecs + b["seconds"]
             same += x["token_ids"] == b["token_ids"]
         total = f"{(toks / secs) / (btoks / bsecs):.2f}x" if secs and bsecs else "-"
         ident = f"{same}/{len(r['runs'])}" if mode == "greedy" else "n/a"
@@ -354,7 +359,8 @@ def summarize(rows):
     # sampling lossless flag: within the spread of target-only's log-prob
     for row in out:
         if row["mode"] == "sample" and "mean_logprob" in row:
-            ref_lp = next((x.get("mean_logprob") for x in out if x["mode"] == "sample" and x["method"] == "target-only"), None)
+            ref_lp = next((x.get("mean_logprob") for x in out
+                           if x["mode"] == "sample" and x["method"] == "target-only"), None)
             if ref_lp is not None:
                 row["logprob_delta_vs_target_only"] = round(row["mean_logprob"] - ref_lp, 4)
     return out
@@ -385,12 +391,12 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "prompt_set": a.prompt_set,
         "prompt_labels": a.prompt_labels,
         **git_commit(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}",
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+                   f"threads {torch.get_num_threads()}",
         "cpu": _cpu_name(),
     }
-    (out / f"{a.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary,
-                                                    "runs": {"|".join(str(k) for k in key): r for key, r in rows.items()}},
-                                                   indent=1))
+    runs = {"|".join(str(k) for k in key): r for key, r in rows.items()}
+    (out / f"{a.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     lines = [f"# {a.tag}: target {a.target}", "", "```", json.dumps(meta, indent=1), "```", "",
              "| mode | method | drafter | tok/s | vs target-only | vs HF | acceptance | fidelity |",
              "|---|---|---|---:|---:|---:|---:|---|"]
@@ -400,7 +406,9 @@ def write_results(a, rows, prompts, target, drafters, final=False):
             if not r.get("lossless", True):
                 fid += " **NOT lossless**"
         else:
-            fid = f"logprob {r.get('mean_logprob', float('nan')):.3f} (Δ {r.get('logprob_delta_vs_target_only', 0):+.3f}), distinct {r.get('distinct_token_share')}"
+            fid = (f"logprob {r.get('mean_logprob', float('nan')):.3f} "
+                   f"(Δ {r.get('logprob_delta_vs_target_only', 0):+.3f}), "
+                   f"distinct {r.get('distinct_token_share')}")
         lines.append(f"| {r['mode']} | {r['method']} | {r['drafter'] or '-'} | {r['tokens_per_s']:.2f} | "
                      f"{r.get('speedup_vs_target_only', 1.0):.2f}x | {r.get('ratio_to_hf', float('nan')):.2f}x | "
                      f"{r.get('acceptance_rate', float('nan')):.1%} | {fid} |")

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import requests  # noqa: E402
-
 from bench import MIXED_PROMPTS, _cpu_name, git_commit, humaneval_prompts  # noqa: E402
+
 from crossdraft.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
@@ -85,7 +85,8 @@ class Stack:
         self.procs.append(Service(code, "verifier", ["verifier", "--model", a.target, "--port", str(vp)] + common,
                                   log_dir, a.threads))
         gw = ["gateway", "--verifier", f"127.0.0.1:{vp}", "--redis-url", self.redis.url, "--host", "127.0.0.1",
-              "--http-port", str(hp), "--grpc-port", str(gp), "--drafter-timeout-s", "120", "--connect-timeout-s", "900"]
+              "--http-port", str(hp), "--grpc-port", str(gp),
+              "--drafter-timeout-s", "120", "--connect-timeout-s", "900"]
         if a.drafter:
             gw += ["--drafter", f"127.0.0.1:{dp}"]
         self.procs.append(Service(code, "gateway", gw, log_dir, 1))
@@ -181,7 +182,8 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                         p["greedy_identical"] = f"{sum(same)}/{len(same)}"
                     del p["texts"]
                     out["points"].append(p)
-                    print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: {p['tokens_per_s']:7.2f} tok/s  "
+                    print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: "
+                          f"{p['tokens_per_s']:7.2f} tok/s  "
                           f"p50 {p['p50_latency_s']:6.2f} s  p95 {p['p95_latency_s']:6.2f} s  "
                           f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}",
                           flush=True)
@@ -260,7 +262,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
-                    "prompts": len(ps), **git_commit(), "baseline": a.baseline, "time": time.strftime("%Y-%m-%d %H:%M")},
+                    "prompts": len(ps), **git_commit(), "baseline": a.baseline,
+                    "time": time.strftime("%Y-%m-%d %H:%M")},
            "versions": versions}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -50,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from bench import _cpu_name, git_commit, humaneval_prompts  # noqa: E402
+
 from crossdraft import models as M  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
 from crossdraft.redis_server import RedisServer  # noqa: E402
@@ -383,8 +382,8 @@ def main() -> None:
             ref = next(r for r in results if r["prompt"] == 0 and r["path"] == "in-process")
             rest["prompt"] = 0
             rest["identical_text_to_in_process"] = rest["text"] == ref["text"]
-            print(f"  p0 distributed REST {rest['tokens']:3d} tok {rest['wall_s']:6.2f}s {rest['tokens_per_s']:6.2f} tok/s",
-                  flush=True)
+            print(f"  p0 distributed REST {rest['tokens']:3d} tok {rest['wall_s']:6.2f}s "
+                  f"{rest['tokens_per_s']:6.2f} tok/s", flush=True)
 
         prof = None
         if not a.no_profile:
@@ -424,7 +423,8 @@ def write_results(a, results, rest, prof, target, threads) -> None:
         "target_dtype_loaded": str(target.dtype), "torch_threads": threads,
         "services": "redis-server + drafter + verifier + gateway processes on 127.0.0.1, OMP_NUM_THREADS="
                     f"{threads} for the model services; one fresh gateway session per request",
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}", "cpu": _cpu_name(), **git_commit(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}", "cpu": _cpu_name(),
+        **git_commit(),
         "target_overhead": f"<= {TARGET_OVERHEAD_MS} ms per round and <= {TARGET_OVERHEAD_SHARE:.0%} of the round time",
     }
     summary = {"in_process": sa, "distributed_grpc": sb, "distributed_minus_in_process": diff,
@@ -478,7 +478,8 @@ def write_results(a, results, rest, prof, target, threads) -> None:
           f"{TARGET_OVERHEAD_SHARE:.0%} of the round time): " + "; ".join(verdict) + ".", ""]
     L += [f"**Fidelity.** Greedy token ids identical on {same}/{len(B)} prompts"
           + ("" if same == len(B) else " -- first divergence at "
-             + ", ".join(f"p{r['prompt']}: token {r['first_divergence']}" for r in B if not r['identical_to_in_process']))
+             + ", ".join(f"p{r['prompt']}: token {r['first_divergence']}"
+                         for r in B if not r['identical_to_in_process']))
           + ".", ""]
     fb = [r for r in B if r.get("drafter_fallback")]
     if fb or sa["rounds"] != sb["rounds"]:

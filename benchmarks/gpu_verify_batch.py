@@ -128,7 +128,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     per_b = {}
     for B in batches:
-        ms, ts = timed(lambda: step(hs[:B]), warmup, runs)
+        ms, ts = timed(lambda B=B: step(hs[:B]), warmup, runs)
         per_b[B] = {"ms_per_forward": ms, "sessions_per_s": B / ms * 1e3, "tokens_per_s": B * k / ms * 1e3,
                     "runs_ms": [round(x, 3) for x in ts]}
         log(f"B={B:3d}: {ms:8.2f} ms/forward  {B / ms * 1e3:9.1f} sessions/s")

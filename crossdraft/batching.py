@@ -165,7 +165,8 @@ class BatchScheduler:
             slot.handle = None
 
     # ---- the callers' side ----------------------------------------------------------------------
-    def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int, head=None) -> tuple[torch.Tensor, ForwardInfo]:
+    def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int,
+                head=None) -> tuple[torch.Tensor, ForwardInfo]:
         """Feed tokens at positions start..; block until done; (logits [keep, V or A] float32, info).
 
         The slot's KV entries from ``start`` on are replaced (a rollback is just a smaller start)."""
@@ -264,7 +265,8 @@ class BatchScheduler:
             except PoolFull:
                 self.stats.exhausted += 1
                 job.error = ResourceExhausted(
-                    f"kv cache full: {pool.blocks_used} of {pool.blocks_total} blocks held by busy sessions; retry later")
+                    f"kv cache full: {pool.blocks_used} of {pool.blocks_total} blocks held by busy sessions; "
+                    "retry later")
                 job.done.set()
             except Exception as e:  # a slot released meanwhile and the like
                 job.error = e

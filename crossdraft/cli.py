@@ -14,58 +14,71 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
 def _positive_int_arg(name):
+    """An argparse type for option `name` that parses an integer (it does not check the sign)."""
     def parse(s):
+        """`s` as an int, or an ArgumentTypeError naming the option."""
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
         return v
 
     return parse
 
 
 def _float_arg(name):
+    """An argparse type for option `name` that parses a float."""
     def parse(s):
+        """`s` as a float, or an ArgumentTypeError naming the option."""
         try:
             return float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
 
     return parse
 
 
 def _add_model_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=os.environ.get("CROSSDRAFT_DEVICE", "cpu"), help="cpu, cuda or cuda:N (both models)")
+    """Add --device, --target-dtype and --drafter-dtype to `p`."""
+    p.add_argument("--device", default=os.environ.get("CROSSDRAFT_DEVICE", "cpu"),
+                   help="cpu, cuda or cuda:N (both models)")
     p.add_argument("--target-dtype", default=None, help="target dtype (default: measured fastest for verification)")
     p.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: measured fastest for decoding)")
 
 
 def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
+    """Add the sampling and drafting options (--max-new-tokens ... --stop-below) to `p`."""
     p.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
     p.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_positive_int_arg("--top-k"), default=0, help="0 = off")
     p.add_argument("--top-p", type=_float_arg("--top-p"), default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
     p.add_argument("--seed", type=_positive_int_arg("--seed"), default=0)
-    p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4, help="initial block size k")
+    p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4,
+                   help="initial block size k")
     p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of choosing it per round")
-    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10, help="upper bound for adaptive k")
+    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10,
+                   help="upper bound for adaptive k")
     p.add_argument("--draft-mode", choices=["auto", "tli", "text"], default="auto",
                    help="tli: draft from the vocabulary intersection; text (greedy only): draft freely and "
-                        "re-encode the drafted text into target tokens; auto: text for greedy across vocabularies, else tli")
+                        "re-encode the drafted text into target tokens; auto: text for greedy across vocabularies, "
+                        "else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="crossdraft", description="Lossless speculative decoding across vocabularies (UAG-TLI).")
+    """The `crossdraft` argument parser with every subcommand."""
+    ap = argparse.ArgumentParser(prog="crossdraft",
+                                 description="Lossless speculative decoding across vocabularies (UAG-TLI).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text with a target and an optional drafter")
     g.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, HF model directory or .gguf file")
     g.add_argument("--drafter", default=None, help="catalog name, HF directory or .gguf; omit for target-only")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with each model's chat template")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message with each model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     _add_sampling_opts(g)
     _add_model_opts(g)
@@ -100,18 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_service(a) -> int:
+    """Hand the remaining arguments to the service's own `<drafter|verifier|gateway>.server.main`."""
     import importlib
 
     return importlib.import_module(f"{a.cmd}.server").main(a.rest)
 
 
 def cmd_up(a) -> int:
+    """`crossdraft up`: the whole stack on localhost (see crossdraft.up)."""
     from . import up
 
     return up.main(a)
 
 
 def _sampling_from_args(a):
+    """(SamplingParams, DraftConfig) from the options; max_draft_tokens at least num_draft_tokens."""
     from .policy import DraftConfig
     from .sampling import SamplingParams
 
@@ -129,6 +145,7 @@ def _sampling_from_args(a):
 
 
 def cmd_generate(a) -> int:
+    """`crossdraft generate`: load the models, generate once, print the text (stats on stderr) or JSON."""
     from . import models as M
     from .engine import Engine
 
@@ -169,6 +186,7 @@ def cmd_generate(a) -> int:
 
 
 def cmd_models(a) -> int:
+    """`crossdraft models list|pull|path`: the model catalog and its local cache."""
     from . import models as M
 
     if a.models_cmd == "list":
@@ -190,6 +208,7 @@ def cmd_models(a) -> int:
 
 
 def cmd_vocab(a) -> int:
+    """`crossdraft vocab`: print the vocabulary report of a target's and a drafter's tokenizers."""
     from . import models as M
     from . import vocab as V
 
@@ -206,6 +225,7 @@ def cmd_vocab(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    """`crossdraft bench`: run benchmarks/bench.py with the remaining arguments (source checkout only)."""
     import runpy
     from pathlib import Path
 
@@ -218,6 +238,7 @@ def cmd_bench(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit status (a crossdraft error prints a message and gives 2, Ctrl-C 130)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("drafter", "verifier", "gateway"):  # the service parses its own flags
         return cmd_service(argparse.Namespace(cmd=argv[0], rest=argv[1:]))

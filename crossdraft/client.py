@@ -87,16 +87,18 @@ class Client:
                 ids.extend(m.delta.token_ids)
             else:
                 d = m.done
-                return Completion(d.text, ids, d.finish_reason, d.session_id, _msg_to_dict(d.usage), _msg_to_dict(d.stats))
+                return Completion(d.text, ids, d.finish_reason, d.session_id, _msg_to_dict(d.usage),
+                                  _msg_to_dict(d.stats))
         raise RuntimeError("the stream ended without a final message")
 
     def create_session(self, session_id: str | None = None, **options) -> str:
-        r = self.stub.CreateSession(gateway_pb2.CreateSessionRequest(session_id=session_id or "", options=_opts(options)),
-                                    timeout=30)
+        r = self.stub.CreateSession(
+            gateway_pb2.CreateSessionRequest(session_id=session_id or "", options=_opts(options)), timeout=30)
         return r.session_id
 
     def get_session(self, session_id: str) -> dict:
-        return _msg_to_dict(self.stub.GetSession(gateway_pb2.GetSessionRequest(session_id=session_id), timeout=30).session)
+        r = self.stub.GetSession(gateway_pb2.GetSessionRequest(session_id=session_id), timeout=30)
+        return _msg_to_dict(r.session)
 
     def delete_session(self, session_id: str) -> bool:
         return self.stub.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=session_id), timeout=30).existed

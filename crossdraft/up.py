@@ -147,7 +147,7 @@ def _port_arg(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {s!r}")
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {s!r}") from None
     if not 0 <= v < 65536:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = pick a free one), got {v}")
     return v
@@ -157,7 +157,7 @@ def _positive_float(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
     return v
@@ -169,13 +169,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=d.target, help="target model: catalog name, HF directory or .gguf")
     parser.add_argument("--drafter", default=d.drafter, help="drafter model: catalog name, HF directory or .gguf")
     parser.add_argument("--no-drafter", action="store_true", help="run target-only: no drafter service")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N for both models (default: the services' own)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N for both models (default: the services' own)")
     parser.add_argument("--target-dtype", default=None, help="verifier dtype (default: the service's own)")
     parser.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: the service's own)")
     parser.add_argument("--http-port", type=_port_arg, default=d.http_port, help="gateway REST port (0 = free port)")
     parser.add_argument("--grpc-port", type=_port_arg, default=d.grpc_port, help="gateway gRPC port (0 = free port)")
-    parser.add_argument("--drafter-port", type=_port_arg, default=d.drafter_port, help="drafter gRPC port (0 = free port)")
-    parser.add_argument("--verifier-port", type=_port_arg, default=d.verifier_port, help="verifier gRPC port (0 = free port)")
+    parser.add_argument("--drafter-port", type=_port_arg, default=d.drafter_port,
+                        help="drafter gRPC port (0 = free port)")
+    parser.add_argument("--verifier-port", type=_port_arg, default=d.verifier_port,
+                        help="verifier gRPC port (0 = free port)")
     parser.add_argument("--ready-timeout-s", type=_positive_float, default=d.ready_timeout_s,
                         help="how long to wait for every service to become healthy (model loading)")  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="directory for the services' logs (default: a new temp dir)")
@@ -493,7 +496,8 @@ def banner(stack: Stack) -> str:
         f"curl -s {rest}/completions -H 'Content-Type: application/json' \\\n"
         f"             -d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64}}'"
     )
-    mode = f"{stack.cfg.target} + drafter {stack.cfg.drafter}" if stack.cfg.drafter else f"{stack.cfg.target} (no drafter)"
+    mode = (f"{stack.cfg.target} + drafter {stack.cfg.drafter}" if stack.cfg.drafter
+            else f"{stack.cfg.target} (no drafter)")
     lines = [
         "",
         "crossdraft is up: " + mode,
@@ -535,7 +539,8 @@ def demo_request(stack: Stack, prompt: str, max_tokens: int) -> bool:
     tok = out["usage"]["completion_tokens"]
     print(f"{tok} tokens in {s['total_ms'] / 1e3:.2f} s ({tok / max(s['total_ms'] / 1e3, 1e-9):.1f} tok/s); "
           f"{s['rounds']} rounds, drafted {s['drafted']}, accepted {s['accepted']} "
-          f"({100 * s['acceptance_rate']:.0f}%), overhead {s['overhead_ms'] / max(s['rounds'], 1):.2f} ms/round", flush=True)
+          f"({100 * s['acceptance_rate']:.0f}%), overhead {s['overhead_ms'] / max(s['rounds'], 1):.2f} ms/round",
+          flush=True)
     return True
 
 

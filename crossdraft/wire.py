@@ -47,7 +47,8 @@ def pack_mask(mask: np.ndarray) -> bytes:
 
 def unpack_mask(data: bytes, size: int) -> np.ndarray:
     if len(data) * 8 < size or len(data) > (size + 7) // 8:
-        raise InvalidArgument("mask", f"must hold exactly ceil(vocab_size / 8) = {(size + 7) // 8} bytes, got {len(data)}")
+        raise InvalidArgument("mask",
+                              f"must hold exactly ceil(vocab_size / 8) = {(size + 7) // 8} bytes, got {len(data)}")
     return np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")[:size].astype(bool)
 
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sessions import AllowedSet, DraftToken, DrafterSession, TargetSession, cost_numbers
 from .errors import FailedPrecondition, InvalidArgument, NotFound, check_int, check_session_id
 from .sampling import SamplingParams
+from .sessions import AllowedSet, DrafterSession, DraftToken, TargetSession, cost_numbers
+
 
 def ids_crc32(ids) -> int:
     """CRC-32 of token ids as int32 little-endian bytes (the ContextCheck digest)."""
@@ -258,11 +259,13 @@ class _Worker:
 
             self._digest = tokenizer_digest(self.loaded.tokenizer)
         body, row, rows = self.cost()
+        catalog = getattr(self.loaded, "kind", "") == "catalog"
         return dict(
-            model_name=self.loaded.name if getattr(self.loaded, "kind", "") == "catalog" else str(getattr(self.loaded, "path", self.loaded.name)),
+            model_name=self.loaded.name if catalog else str(getattr(self.loaded, "path", self.loaded.name)),
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
-            eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest, max_sessions=self.cfg.max_sessions,
+            eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest,
+            max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id, forward_ms=self.timings(),
             **self._kv_info(),
         )
@@ -280,7 +283,8 @@ class _Worker:
             return
         if len(sess.ids) != expect.length or ids_crc32(sess.ids) != expect.crc32:
             raise FailedPrecondition(
-                f"{what}: session holds {len(sess.ids)} tokens, caller expected {expect.length} (or a different history)")
+                f"{what}: session holds {len(sess.ids)} tokens, caller expected {expect.length} "
+                "(or a different history)")
 
     def _check_len(self, n: int) -> None:
         if self.max_context and n > self.max_context:
@@ -405,7 +409,8 @@ class DrafterWorker(_Worker):
             self._check_len(keep + len(append))
             new = sess.ids[:keep] + append
             if expect is not None and (len(new) != expect.length or ids_crc32(new) != expect.crc32):
-                raise FailedPrecondition(f"edit: the result would hold {len(new)} tokens, caller expected {expect.length} (or a different history)")
+                raise FailedPrecondition(f"edit: the result would hold {len(new)} tokens, caller expected "
+                                         f"{expect.length} (or a different history)")
             sess.edit(keep, append)
         else:
             self._check(sess, expect, "draft")

@@ -12,18 +12,18 @@ from __future__ import annotations
 import threading
 
 import grpc
+import numpy as np
 from opentelemetry import trace
 
 from crossdraft import rpc, wire
-from crossdraft.sessions import DraftToken
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from crossdraft.sessions import DraftToken
 from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from crossdraft.workers import VerifyReply
 
-import numpy as np
-
 
 def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
+    """Map a gRPC error from `who` at `addr` to the crossdraft error of its status code."""
     code = e.code() if hasattr(e, "code") else None
     msg = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -39,6 +39,8 @@ def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
 
 
 class _Remote:
+    """What both clients share: the channel, one client span per RPC, errors converted, ModelInfo cached."""
+
     who = "server"
 
     def __init__(self, address: str, tracer=None, timeout_s: float = 60.0):
@@ -50,6 +52,7 @@ class _Remote:
         self._lock = threading.Lock()
 
     def _call(self, name: str, fn, req, timeout_s=None):
+        """Run one unary RPC inside a client span; gRPC errors are raised as crossdraft errors."""
         with self.tracer.start_as_current_span(f"{self.service}/{name}", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("rpc.system", "grpc")
             span.set_attribute("net.peer.name", self.address)
@@ -60,6 +63,7 @@ class _Remote:
                 raise _convert(e, self.who, self.address) from None
 
     def info(self, refresh: bool = False) -> dict:
+        """The server's ModelInfo as a dict, fetched once and cached (refresh=True fetches it again)."""
         if self._info is None or refresh:
             self._info = self._fetch_info()
         return self._info
@@ -69,10 +73,12 @@ class _Remote:
         return self.info().get("instance_id", "")
 
     def cost(self, head_rows: int | None = None) -> tuple[int, int, int]:
+        """(body_bytes, head_row_bytes, head_rows) of one token's forward, from the server's ModelInfo."""
         i = self.info()
         return int(i["body_bytes"]), int(i["head_row_bytes"]), int(i["vocab_size"] if head_rows is None else head_rows)
 
     def timings(self) -> list[float]:
+        """The server's measured ms of one forward of 1..M tokens, from its ModelInfo ([] when off)."""
         return list(self.info().get("forward_ms", []))
 
     def close(self) -> None:
@@ -80,6 +86,8 @@ class _Remote:
 
 
 class RemoteVerifier(_Remote):
+    """gRPC client of a verifier service (crossdraft.v1.VerifierService), usable as a VerifierPort."""
+
     who = "verifier"
     service = "crossdraft.v1.VerifierService"
 
@@ -92,15 +100,19 @@ class RemoteVerifier(_Remote):
         return wire.model_info_from_proto(r.info)
 
     def tokenizer_files(self) -> tuple[dict[str, bytes], str]:
-        r = self._call("GetVerifierTokenizer", self.stub.GetVerifierTokenizer, verifier_pb2.GetVerifierTokenizerRequest(), 60)
+        """The verifier model's tokenizer files (name -> bytes) and their digest."""
+        r = self._call("GetVerifierTokenizer", self.stub.GetVerifierTokenizer,
+                       verifier_pb2.GetVerifierTokenizerRequest(), 60)
         return {f.name: f.content for f in r.files}, r.tokenizer_digest
 
     def sync(self, sid, ids):
+        """Create or align session `sid` on the verifier with the full history; (reused entries, state)."""
         r = self._call("SyncVerifierSession", self.stub.SyncVerifierSession,
                        verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids))
         return r.reused_tokens, wire.expect_from_proto(r.context)
 
     def verify(self, sid, expect, drafts, q_rows, round_index, params, seed) -> VerifyReply:
+        """Verify the drafts on the verifier (one forward, lossless acceptance); see VerifierPort.verify."""
         req = verifier_pb2.VerifyRequest(session_id=sid, draft_token_ids=drafts, round_index=round_index,
                                          params=wire.params_to_proto(params), seed=seed)
         if expect is not None:
@@ -114,11 +126,14 @@ class RemoteVerifier(_Remote):
                            queue_wait_s=r.queue_wait_ms / 1e3)
 
     def end(self, sid) -> bool:
+        """Drop session `sid` on the verifier; whether it existed."""
         return self._call("EndVerifierSession", self.stub.EndVerifierSession,
                           verifier_pb2.EndVerifierSessionRequest(session_id=sid), 10).existed
 
 
 class RemoteDrafter(_Remote):
+    """gRPC client of a drafter service (crossdraft.v1.DrafterService), usable as a DrafterPort."""
+
     who = "drafter"
     service = "crossdraft.v1.DrafterService"
 
@@ -131,21 +146,27 @@ class RemoteDrafter(_Remote):
         return wire.model_info_from_proto(r.info)
 
     def tokenizer_files(self) -> tuple[dict[str, bytes], str]:
-        r = self._call("GetDrafterTokenizer", self.stub.GetDrafterTokenizer, drafter_pb2.GetDrafterTokenizerRequest(), 60)
+        """The drafter model's tokenizer files (name -> bytes) and their digest."""
+        r = self._call("GetDrafterTokenizer", self.stub.GetDrafterTokenizer,
+                       drafter_pb2.GetDrafterTokenizerRequest(), 60)
         return {f.name: f.content for f in r.files}, r.tokenizer_digest
 
     def set_allowed(self, key, mask) -> int:
+        """Register the drafter-id mask under `key` (sent bit-packed); returns how many ids it allows."""
         mask = np.asarray(mask, dtype=bool)
         r = self._call("SetAllowedTokens", self.stub.SetAllowedTokens,
-                       drafter_pb2.SetAllowedTokensRequest(allowed_key=key, vocab_size=len(mask), mask=wire.pack_mask(mask)))
+                       drafter_pb2.SetAllowedTokensRequest(allowed_key=key, vocab_size=len(mask),
+                                                           mask=wire.pack_mask(mask)))
         return r.allowed_count
 
     def sync(self, sid, ids):
+        """Create or align session `sid` on the drafter with the full history; (reused entries, state)."""
         r = self._call("SyncDrafterSession", self.stub.SyncDrafterSession,
                        drafter_pb2.SyncDrafterSessionRequest(session_id=sid, token_ids=ids))
         return r.reused_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None):
+        """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
                                        allowed_key=allowed_key)
@@ -173,6 +194,7 @@ class RemoteDrafter(_Remote):
         return toks
 
     def commit(self, sid, edit, expect):
+        """Apply the edit to the drafter's session without drafting; returns its new state."""
         req = drafter_pb2.CommitRequest(session_id=sid)
         if edit is not None:
             req.edit.keep = edit[0]
@@ -182,5 +204,6 @@ class RemoteDrafter(_Remote):
         return wire.expect_from_proto(self._call("Commit", self.stub.Commit, req).context)
 
     def end(self, sid) -> bool:
+        """Drop session `sid` on the drafter; whether it existed."""
         return self._call("EndDrafterSession", self.stub.EndDrafterSession,
                           drafter_pb2.EndDrafterSessionRequest(session_id=sid), 10).existed

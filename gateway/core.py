@@ -4,9 +4,9 @@ the round loop over the remote drafter/verifier, metrics, and one span per verif
 from __future__ import annotations
 
 import contextlib
-import threading
 import logging
 import random
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -15,12 +15,18 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crossdraft.decode import Decoder
-from crossdraft.vocab import TokenPair
+from crossdraft.errors import (
+    CrossdraftError,
+    InvalidArgument,
+    Unauthenticated,
+    Unavailable,
+    check_int,
+    check_number,
+    check_session_id,
+)
 from crossdraft.policy import DraftConfig
-from crossdraft.errors import CrossdraftError, InvalidArgument, Unauthenticated, Unavailable, check_int, check_number
 from crossdraft.sampling import SamplingParams
-
-from crossdraft.errors import check_session_id
+from crossdraft.vocab import TokenPair
 
 from .sessions import RedisSessionStore, Session
 
@@ -53,7 +59,8 @@ class GatewayConfig:
     max_prompt_chars: int = 200_000  # longer prompts are rejected (HTTP 413 / INVALID_ARGUMENT)
     connect_timeout_s: float = 900.0  # wait this long at start for drafter/verifier to become healthy
     default_num_draft_tokens: int = 4  # initial block size
-    api_keys: frozenset = frozenset()  # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
+    # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
+    api_keys: frozenset = frozenset()
 
 
 OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
@@ -143,16 +150,20 @@ def check_api_key(cfg: GatewayConfig, authorization: str | None) -> None:
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("crossdraft_requests_total", "Requests by API and outcome", ["api", "status"], registry=r)
+        self.requests = Counter("crossdraft_requests_total", "Requests by API and outcome", ["api", "status"],
+                                registry=r)
         self.tokens = Counter("crossdraft_completion_tokens_total", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("crossdraft_prompt_tokens_total", "Prompt tokens", registry=r)
         self.rounds = Counter("crossdraft_rounds_total", "Verification rounds", registry=r)
         self.drafted = Counter("crossdraft_drafted_tokens_total", "Draft tokens verified", registry=r)
         self.accepted = Counter("crossdraft_accepted_tokens_total", "Draft tokens accepted", registry=r)
-        self.pos_drafted = Counter("crossdraft_drafted_by_position_total", "Drafts verified at each block position", ["position"], registry=r)
-        self.pos_accepted = Counter("crossdraft_accepted_by_position_total", "Drafts accepted at each block position", ["position"], registry=r)
-        self.round_seconds = Histogram("crossdraft_round_seconds", "Round latency split by phase", ["phase"], registry=r,
-                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.pos_drafted = Counter("crossdraft_drafted_by_position_total", "Drafts verified at each block position",
+                                   ["position"], registry=r)
+        self.pos_accepted = Counter("crossdraft_accepted_by_position_total", "Drafts accepted at each block position",
+                                    ["position"], registry=r)
+        self.round_seconds = Histogram(
+            "crossdraft_round_seconds", "Round latency split by phase", ["phase"], registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.fallbacks = Counter("crossdraft_drafter_fallbacks_total", "Requests that went on target-only", registry=r)
         self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
 
@@ -264,12 +275,14 @@ class Gateway:
             if not isinstance(prompt, str):
                 raise InvalidArgument(names.get("prompt", "prompt"), "must be a string")
             if len(prompt) > self.cfg.max_prompt_chars:
-                raise InvalidArgument(names.get("prompt", "prompt"), f"is longer than {self.cfg.max_prompt_chars} characters")
+                raise InvalidArgument(names.get("prompt", "prompt"),
+                                      f"is longer than {self.cfg.max_prompt_chars} characters")
             _check_utf8(names.get("prompt", "prompt"), prompt)
         if messages is not None:
             messages = validate_messages(messages, names.get("messages", "messages"))
             if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
-                raise InvalidArgument(names.get("messages", "messages"), f"are longer than {self.cfg.max_prompt_chars} characters")
+                raise InvalidArgument(names.get("messages", "messages"),
+                                      f"are longer than {self.cfg.max_prompt_chars} characters")
         opts = validate_options(options, self.cfg, names)
         session = None
         lease = None
@@ -297,8 +310,9 @@ class Job:
         merged.update(opts)
         self.opts = merged
         self.max_new_tokens = merged.get("max_new_tokens", gw.cfg.default_max_new_tokens)
-        self.params = SamplingParams(temperature=merged.get("temperature", gw.cfg.default_temperature), top_k=merged.get("top_k", 0),
-                                     top_p=merged.get("top_p", 1.0), repetition_penalty=merged.get("repetition_penalty", 1.0))
+        self.params = SamplingParams(temperature=merged.get("temperature", gw.cfg.default_temperature),
+                                     top_k=merged.get("top_k", 0), top_p=merged.get("top_p", 1.0),
+                                     repetition_penalty=merged.get("repetition_penalty", 1.0))
         self.seed = merged.get("seed", 0 if self.params.greedy else random.getrandbits(62))
         k = merged.get("num_draft_tokens", gw.cfg.default_num_draft_tokens)
         self.draft = DraftConfig(num_draft_tokens=k, adaptive=merged.get("adaptive_draft", True),
@@ -328,7 +342,8 @@ class Job:
         elif session is not None and session.target_ids:
             t_ids = session.target_ids + list(pair.target_tok(prompt, add_special_tokens=False)["input_ids"])
             d_ids = (session.drafter_ids + list(pair.drafter_tok(prompt, add_special_tokens=False)["input_ids"])
-                     if has_d and session.drafter_ids else (pair.encode_drafter(pair.target_tok.decode(t_ids)) if has_d else None))
+                     if has_d and session.drafter_ids
+                     else (pair.encode_drafter(pair.target_tok.decode(t_ids)) if has_d else None))
         else:
             if not prompt:
                 raise InvalidArgument(names.get("prompt", "prompt"), "must not be empty")
@@ -338,9 +353,10 @@ class Job:
             raise InvalidArgument(names.get("prompt", "prompt"), "is empty after tokenisation")
         self.prompt_text = prompt
         self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
-        self.run = gw.decoder(self.v_addr, self.d_addr).run(self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params,
-                                  seed=self.seed, draft=self.draft, round_start=session.round_index if session else 0,
-                                  use_drafter=self.use_drafter, round_scope=self._round_scope)
+        self.run = gw.decoder(self.v_addr, self.d_addr).run(
+            self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
+            draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
+            round_scope=self._round_scope)
         self.prompt_tokens = len(t_ids)
         pl.acquire("verifier", self.v_addr)
         pl.acquire("drafter", self.d_addr)

@@ -16,8 +16,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from crossdraft.errors import (CrossdraftError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
-                               Unauthenticated, Unavailable)
+from crossdraft.errors import (
+    CrossdraftError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 
 from .core import OPTION_FIELDS, check_api_key
 
@@ -26,7 +33,8 @@ RETRY_AFTER_S = 1  # 429 / 503: when to try again (a round or two frees KV memor
 # REST field -> gateway option
 REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
                 "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed",
-                "num_draft_tokens": "num_draft_tokens", "adaptive_draft": "adaptive_draft", "use_drafter": "use_drafter"}
+                "num_draft_tokens": "num_draft_tokens", "adaptive_draft": "adaptive_draft",
+                "use_drafter": "use_drafter"}
 # accepted for compatibility; only their neutral values are allowed
 NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
            "echo": (False,), "best_of": (1,), "stop": (None, [], ""), "user": None, "model": None,

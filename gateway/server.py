@@ -23,13 +23,18 @@ def _env(name, default):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description="crossdraft gateway: REST + gRPC front door")
-    p.add_argument("--verifier", default=_env("VERIFIER", None), help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
-    p.add_argument("--drafter", default=_env("DRAFTER", None), help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
+    p.add_argument("--verifier", default=_env("VERIFIER", None),
+                   help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
+    p.add_argument("--drafter", default=_env("DRAFTER", None),
+                   help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
     p.add_argument("--discovery", choices=["static", "kubernetes"], default=_env("DISCOVERY", "static"),
                    help="static: --verifier/--drafter address lists; kubernetes: watch the Services' EndpointSlices")
-    p.add_argument("--verifier-service", default=_env("VERIFIER_SERVICE", None), help="kubernetes: verifier headless Service")
-    p.add_argument("--drafter-service", default=_env("DRAFTER_SERVICE", None), help="kubernetes: drafter headless Service")
-    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="kubernetes: namespace (env POD_NAMESPACE)")
+    p.add_argument("--verifier-service", default=_env("VERIFIER_SERVICE", None),
+                   help="kubernetes: verifier headless Service")
+    p.add_argument("--drafter-service", default=_env("DRAFTER_SERVICE", None),
+                   help="kubernetes: drafter headless Service")
+    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                   help="kubernetes: namespace (env POD_NAMESPACE)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="Redis URL for sessions (env REDIS_URL)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
     p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", 8000)))
@@ -70,7 +75,8 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
-                         api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",") if k.strip()))
+                         api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",")
+                                            if k.strip()))
 
 
 def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
@@ -79,14 +85,13 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
-    from crossdraft.vocab import TokenPair
     from crossdraft.models import load_tokenizer
+    from crossdraft.vocab import TokenPair
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
-    from .sessions import RedisSessionStore
-
     from .discovery import EndpointSliceWatcher, Placement, Pool, static_pool
+    from .sessions import RedisSessionStore
 
     if pools is not None:
         vpool, dpool = pools
@@ -108,10 +113,12 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     vinfo = verifier.info()
     drafter = _first_healthy(placement, "drafter", cfg.connect_timeout_s) if dpool is not None else None
     dinfo = drafter.info() if drafter is not None else None
-    t_tok = load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer else _remote_tokenizer(verifier)
+    t_tok = (load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer
+             else _remote_tokenizer(verifier))
     d_tok = None
     if drafter:
-        d_tok = load_tokenizer(cfg.drafter_tokenizer, progress=False) if cfg.drafter_tokenizer else _remote_tokenizer(drafter)
+        d_tok = (load_tokenizer(cfg.drafter_tokenizer, progress=False) if cfg.drafter_tokenizer
+                 else _remote_tokenizer(drafter))
     _check_digest(t_tok, vinfo, "target")
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
@@ -133,7 +140,8 @@ def _first_healthy(placement, kind: str, timeout_s: float):
                 return placement.client(kind, addr)
         pool.wait_nonempty(1.0)
         time.sleep(0.2)
-    raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({', '.join(pool.addresses()) or 'none known'})")
+    known = ", ".join(pool.addresses()) or "none known"
+    raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({known})")
 
 
 def _remote_tokenizer(client):
@@ -234,7 +242,8 @@ def main(argv=None) -> int:
             status["rc"] = 1
             userver.should_exit = True
 
-    print(f"crossdraft gateway: gRPC on {cfg.host}:{gport}, REST on {cfg.host}:{cfg.http_port} (connecting...)", flush=True)
+    print(f"crossdraft gateway: gRPC on {cfg.host}:{gport}, REST on {cfg.host}:{cfg.http_port} (connecting...)",
+          flush=True)
     threading.Thread(target=init, daemon=True).start()
     userver.run()
     rpc.set_serving(health, ["", SERVICE_NAME], False)

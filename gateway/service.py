@@ -54,7 +54,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             for ev in job.events():
                 if ev["type"] == "delta":
-                    yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"]))
+                    yield gateway_pb2.GenerateResponse(
+                        delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"]))
                 else:
                     yield gateway_pb2.GenerateResponse(done=gateway_pb2.GenerateDone(
                         session_id=ev["session_id"], finish_reason=ev["finish_reason"], text=ev["text"],

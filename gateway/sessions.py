@@ -23,6 +23,8 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 @dataclass
 class Session:
+    """One session as stored in Redis: its options, both token histories, messages, totals and placement."""
+
     session_id: str
     created_unix_s: float
     updated_unix_s: float
@@ -42,6 +44,7 @@ class Session:
 
     def to_json(self) -> str:
         # token ids as base64 of int32 little-endian: ~20x faster than a JSON list, and smaller
+        """The session as one compact JSON document (token ids packed by _pack_ids)."""
         d = dict(self.__dict__)
         d["target_ids"] = _pack_ids(self.target_ids)
         d["drafter_ids"] = _pack_ids(self.drafter_ids)
@@ -49,6 +52,7 @@ class Session:
 
     @classmethod
     def from_json(cls, s: str | bytes) -> "Session":
+        """Parse a to_json document (plain id lists are accepted too); unknown keys are dropped."""
         d = json.loads(s)
         for k in ("target_ids", "drafter_ids"):
             if isinstance(d.get(k), str):
@@ -57,14 +61,18 @@ class Session:
 
 
 def _pack_ids(ids) -> str:
+    """Token ids as base64 of int32 little-endian."""
     return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
 
 
 def _unpack_ids(s: str) -> list[int]:
+    """The inverse of _pack_ids."""
     return np.frombuffer(base64.b64decode(s), dtype="<i4").tolist()
 
 
 class RedisSessionStore:
+    """Session documents and per-session leases in Redis; a session expires ttl_s after its last write."""
+
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "crossdraft:", lease_s: float = 600.0):
         self.url = url
         self.ttl_ms = int(ttl_s * 1000)
@@ -73,21 +81,25 @@ class RedisSessionStore:
         self.r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     def _key(self, sid: str) -> str:
+        """The Redis key of session `sid`'s document (its lease is this key + ':lease')."""
         return f"{self.prefix}session:{sid}"
 
     def _do(self, fn, *args):
+        """Run one Redis call; a Redis error becomes Unavailable."""
         try:
             return fn(*args)
         except redis.RedisError as e:
             raise Unavailable(f"session store (Redis at {self.url}) unavailable: {type(e).__name__}: {e}") from None
 
     def ping(self) -> bool:
+        """Whether Redis answers; never raises."""
         try:
             return bool(self.r.ping())
         except redis.RedisError:
             return False
 
     def create(self, options: dict, session_id: str | None = None) -> Session:
+        """Store a new empty session (the given id, else a random one); FailedPrecondition if it exists."""
         sid = check_session_id(session_id) if session_id else uuid.uuid4().hex
         now = time.time()
         s = Session(sid, now, now, options=options)
@@ -97,6 +109,7 @@ class RedisSessionStore:
         return s
 
     def get(self, sid: str) -> Session:
+        """Load session `sid`; NotFound if it was never created, was deleted or has expired."""
         check_session_id(sid)
         raw = self._do(self.r.get, self._key(sid))
         if raw is None:
@@ -104,14 +117,17 @@ class RedisSessionStore:
         return Session.from_json(raw)
 
     def save(self, s: Session) -> None:
+        """Write the whole session back, stamping updated_unix_s and restarting its TTL."""
         s.updated_unix_s = time.time()
         self._do(lambda: self.r.set(self._key(s.session_id), s.to_json(), px=self.ttl_ms))
 
     def delete(self, sid: str) -> bool:
+        """Delete session `sid`; whether it existed."""
         check_session_id(sid)
         return bool(self._do(self.r.delete, self._key(sid)))
 
     def acquire(self, sid: str) -> str:
+        """Take the session's lease (one request at a time); returns its token; FailedPrecondition if busy."""
         token = uuid.uuid4().hex
         ok = self._do(lambda: self.r.set(f"{self._key(sid)}:lease", token, px=self.lease_ms, nx=True))
         if not ok:
@@ -119,6 +135,7 @@ class RedisSessionStore:
         return token
 
     def release(self, sid: str, token: str) -> None:
+        """Drop the lease if `token` still holds it; Redis errors are ignored (the lease expires)."""
         try:
             self.r.eval(_RELEASE, 1, f"{self._key(sid)}:lease", token)
         except redis.RedisError:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from crossdraft.redis_server import RedisServer
-from tests.service_fixtures import (Proc, gateway, model_server, save_tiny_pair, wait_grpc_healthy,
-                                    wait_http_ready)
+from tests.service_fixtures import Proc, gateway, model_server, save_tiny_pair, wait_grpc_healthy, wait_http_ready
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,7 +7,6 @@ CROSSDRAFT_FAULT_DRAFT_DELAY_S fault-injection knob so the kill lands inside the
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -123,7 +122,8 @@ def test_redis_down_gives_503_and_the_gateway_recovers(tiny_dirs, logs):
     redis, v, vaddr, d, daddr, g, http, grpc_addr = _stack(tiny_dirs, logs)
     try:
         sid = requests.post(http + "/v1/sessions", json={"max_tokens": 8}, timeout=30).json()["session_id"]
-        assert requests.post(http + "/v1/completions", json={"prompt": PROMPT, "session_id": sid}, timeout=60).status_code == 200
+        r = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "session_id": sid}, timeout=60)
+        assert r.status_code == 200
         redis.stop()
         r = requests.post(http + "/v1/completions", json={"prompt": "x", "session_id": sid}, timeout=60)
         assert r.status_code == 503
@@ -146,6 +146,7 @@ def test_redis_down_gives_503_and_the_gateway_recovers(tiny_dirs, logs):
         r = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "session_id": sid2}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         # the old session lived only in the Redis that went away: a clear 404, not a crash
-        assert requests.post(http + "/v1/completions", json={"prompt": "x", "session_id": sid}, timeout=60).status_code == 404
+        r = requests.post(http + "/v1/completions", json={"prompt": "x", "session_id": sid}, timeout=60)
+        assert r.status_code == 404
     finally:
         _stop(g, d, v, redis)

@@ -61,7 +61,8 @@ def test_greedy_grpc_token_ids_equal_target_only(stack, engine, prompt):
     assert out.usage["completion_tokens"] == len(ref.token_ids)
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2)])
+@pytest.mark.parametrize("params", [dict(temperature=1.0),
+                                    dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2)])
 def test_seeded_sampling_equals_in_process_engine(stack, engine, params):
     """Same seed, same code path: the distributed run draws exactly the in-process run's tokens."""
     for seed in (1, 2):
@@ -73,10 +74,12 @@ def test_seeded_sampling_equals_in_process_engine(stack, engine, params):
 
 
 def test_fixed_block_size_matches_engine(stack, engine):
-    ref = engine.generate(PROMPTS[1], max_new_tokens=24, draft=DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli"),
+    ref = engine.generate(PROMPTS[1], max_new_tokens=24,
+                          draft=DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli"),
                           params=SamplingParams(temperature=0.7), seed=5)
     with Client(stack.grpc) as c:
-        out = c.generate(PROMPTS[1], max_new_tokens=24, num_draft_tokens=3, adaptive_draft=False, temperature=0.7, seed=5)
+        out = c.generate(PROMPTS[1], max_new_tokens=24, num_draft_tokens=3, adaptive_draft=False, temperature=0.7,
+                         seed=5)
     assert out.token_ids == ref.token_ids
     assert out.stats["drafted"] == ref.stats.drafted > 0
 
@@ -161,7 +164,8 @@ def test_health_and_reflection_on_every_service(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    for addr, svc in ((stack.verifier_addr, "crossdraft.v1.VerifierService"), (stack.drafter_addr, "crossdraft.v1.DrafterService"),
+    for addr, svc in ((stack.verifier_addr, "crossdraft.v1.VerifierService"),
+                      (stack.drafter_addr, "crossdraft.v1.DrafterService"),
                       (stack.grpc, "crossdraft.v1.GatewayService")):
         with grpc.insecure_channel(addr) as ch:
             st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=10)

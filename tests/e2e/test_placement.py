@@ -19,7 +19,8 @@ def endpoint_slice(name: str, addrs: list[str], rv: str) -> client.V1EndpointSli
     eps = []
     for a in addrs:
         host, port = a.rsplit(":", 1)
-        eps.append(client.V1Endpoint(addresses=[host], conditions=client.V1EndpointConditions(ready=True, terminating=False)))
+        eps.append(client.V1Endpoint(addresses=[host],
+                                     conditions=client.V1EndpointConditions(ready=True, terminating=False)))
     port = int(addrs[0].rsplit(":", 1)[1]) if addrs else 1
     return client.V1EndpointSlice(address_type="IPv4", metadata=client.V1ObjectMeta(name=name, resource_version=rv),
                                   endpoints=eps, ports=[client.DiscoveryV1EndpointPort(name="grpc", port=port)])
@@ -58,8 +59,9 @@ def test_session_follows_its_pod_then_moves_when_it_is_gone(pods):
     vw.apply("ADDED", endpoint_slice("v-2", [a2], "2"))
     dw.apply("ADDED", endpoint_slice("d-1", [da], "3"))
     assert vpool.addresses() == sorted([a1, a2])
-    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes", verifier_service="crossdraft-verifier",
-                        drafter_service="crossdraft-drafter", connect_timeout_s=60)
+    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes",
+                        verifier_service="crossdraft-verifier", drafter_service="crossdraft-drafter",
+                        connect_timeout_s=60)
     gw = build_gateway(cfg, pools=(vpool, dpool))
 
     def turn(sid, prompt):

@@ -7,7 +7,6 @@ processes exporting with OTEL_TRACES_EXPORTER=console, so their spans are read f
 
 from __future__ import annotations
 
-import json
 import re
 import time
 

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.real_models
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "crossdraft.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "crossdraft.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_vocab_json_reports_sizes_and_coverage():

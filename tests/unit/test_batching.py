@@ -135,7 +135,7 @@ def test_full_pool_evicts_idle_sessions_which_resync_to_the_same_answer(target, 
         for i, p in enumerate(prompts):
             ref.sync(f"s{i}", p)
         for rnd in range(2):
-            for i, p in enumerate(prompts):
+            for i in range(len(prompts)):
                 sid = f"s{i}"
                 want = ref.verify(sid, None, [5], None, rnd, GREEDY, 0)
                 try:

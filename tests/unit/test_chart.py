@@ -12,10 +12,9 @@ import re
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate  # test dependency: kubernetes-validate (offline Kubernetes schemas)
 import pytest
 import yaml
-
-import kubernetes_validate  # test dependency: kubernetes-validate (offline Kubernetes schemas)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "crossdraft"
@@ -61,7 +60,7 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------- helpers
+# -------------------------------------------------------------------------------- helpers
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +150,7 @@ def gateway(docs):
     return find(docs, "Deployment", f"{FULL}-gateway")
 
 
-# ---------------------------------------------------------------------------------------------- lint + schema validation
+# -------------------------------------------------------------------------------- lint + schema validation
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -191,7 +190,7 @@ def test_crd_kinds_only_when_enabled(render):
         assert ep["path"] == "/metrics"
 
 
-# ---------------------------------------------------------------------------------------------- values schema
+# -------------------------------------------------------------------------------- values schema
 
 
 @pytest.mark.parametrize("bad_set", [
@@ -259,7 +258,7 @@ def test_chart_metadata():
     assert {"drafter", "verifier", "gateway", "redis", "otel"} <= set(values)
 
 
-# ---------------------------------------------------------------------------------------------- GPUs and node pools
+# -------------------------------------------------------------------------------- GPUs and node pools
 
 
 def test_gpu_pools_default(render):
@@ -293,13 +292,14 @@ def test_cpu_variant_has_no_gpus(render):
     assert {p["metadata"]["name"] for p in docs if p["kind"] == "PodDisruptionBudget"} == set()
 
 
-# ---------------------------------------------------------------------------------------------- probes, security, resources
+# -------------------------------------------------------------------------------- probes, security, resources
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_probes_resources_security_everywhere(render, variant):
     docs = render(variant)
-    assert {w["metadata"]["name"] for w in workloads(docs)} >= {f"{FULL}-drafter", f"{FULL}-verifier", f"{FULL}-gateway"}
+    names = {w["metadata"]["name"] for w in workloads(docs)}
+    assert names >= {f"{FULL}-drafter", f"{FULL}-verifier", f"{FULL}-gateway"}
     for w in workloads(docs):
         c, spec, name = container(w), pod_spec(w), w["metadata"]["name"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -337,7 +337,7 @@ def test_gateway_uses_http_probes(render):
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 50051}
 
 
-# ---------------------------------------------------------------------------------------------- services and discovery
+# -------------------------------------------------------------------------------- services and discovery
 
 
 @pytest.mark.parametrize("variant", ["default", "cpu"])
@@ -373,7 +373,7 @@ def test_model_choice_comes_from_configmap(render):
             "CROSSDRAFT_SESSION_TTL_S", "CROSSDRAFT_MAX_NEW_TOKENS_LIMIT"} <= set(gcm)
 
 
-# ---------------------------------------------------------------------------------------------- RBAC and service accounts
+# -------------------------------------------------------------------------------- RBAC and service accounts
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -396,7 +396,7 @@ def test_rbac_is_endpointslices_read_only(render, variant):
         assert pod_spec(doc)["automountServiceAccountToken"] is False
 
 
-# ---------------------------------------------------------------------------------------------- secrets
+# -------------------------------------------------------------------------------- secrets
 
 
 SECRETISH = re.compile(r"(API_KEY|PASSWORD|SECRET|CREDENTIAL|(^|_)TOKEN$|^REDIS_URL$)", re.I)
@@ -437,7 +437,7 @@ def test_external_redis_skips_bundled_redis(render):
     assert persisted["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
 
 
-# ---------------------------------------------------------------------------------------------- OTel
+# -------------------------------------------------------------------------------- OTel
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -454,7 +454,7 @@ def test_otel_env_only_when_endpoint_set(render, variant):
             assert not otel, (comp, otel)
 
 
-# ---------------------------------------------------------------------------------------------- HPA, ingress, PDB
+# -------------------------------------------------------------------------------- HPA, ingress, PDB
 
 
 def test_ingress_and_autoscaling(render):
@@ -499,7 +499,7 @@ def test_pdbs_and_model_cache(render):
     assert vct["metadata"]["name"] == "models" and vct["spec"]["storageClassName"] == "fast"
 
 
-# ---------------------------------------------------------------------------------------------- network policies
+# -------------------------------------------------------------------------------- network policies
 
 
 def _gateway_selector():

@@ -98,7 +98,8 @@ def test_run_lists_then_watches_through_the_client(monkeypatch):
     t.join(5)
     assert len(api.calls) >= 2
     assert api.calls[0] == ("llm", {"label_selector": "kubernetes.io/service-name=crossdraft-verifier"})
-    assert seen_kwargs[0]["resource_version"] == "104000" and seen_kwargs[0]["label_selector"].endswith("crossdraft-verifier")
+    assert seen_kwargs[0]["resource_version"] == "104000"
+    assert seen_kwargs[0]["label_selector"].endswith("crossdraft-verifier")
     # after the re-LIST the pool is the listed slice again
     assert pool.addresses() == ["10.8.1.14:50062"]
 

@@ -51,7 +51,8 @@ def _module_name(path: Path) -> str:
 
 def _is_type_checking(node) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return ((isinstance(t, ast.Name) and t.id == "TYPE_CHECKING")
+            or (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"))
 
 
 def _runtime_imports(tree) -> list:
@@ -157,7 +158,8 @@ def test_cycle_finder_sees_deferred_imports():
 def test_layering_runs_one_way():
     graph = import_graph()
     # engine -> decode -> workers -> sessions -> sampling; nothing below imports upward
-    order = ["crossdraft.engine", "crossdraft.decode", "crossdraft.workers", "crossdraft.sessions", "crossdraft.sampling"]
+    order = ["crossdraft.engine", "crossdraft.decode", "crossdraft.workers", "crossdraft.sessions",
+             "crossdraft.sampling"]
     for i, low in enumerate(order):
         for high in order[:i]:
             assert high not in graph[low], f"{low} imports {high}"
@@ -170,7 +172,8 @@ def test_ports_are_stated_and_the_adapters_conform():
     from crossdraft.workers import DrafterWorker, VerifierWorker
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
-    for port, impls in ((VerifierPort, (VerifierWorker, RemoteVerifier)), (DrafterPort, (DrafterWorker, RemoteDrafter))):
+    for port, impls in ((VerifierPort, (VerifierWorker, RemoteVerifier)),
+                        (DrafterPort, (DrafterWorker, RemoteDrafter))):
         methods = [n for n, v in vars(port).items() if callable(v) and not n.startswith("_")]
         methods += [n for base in port.__mro__[1:] if base.__name__.endswith("Port")
                     for n, v in vars(base).items() if callable(v) and not n.startswith("_")]

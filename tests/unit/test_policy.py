@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from crossdraft.policy import DraftConfig, DraftPolicy
 from crossdraft.errors import InvalidArgument
+from crossdraft.policy import DraftConfig, DraftPolicy
 
 # a CPU-like table: 1..3 tokens cost one step, 5 tokens twice that (measured shape, fp32 BLAS)
 CPU_TABLE = [324, 334, 334, 500, 644, 700, 760, 820, 893, 910, 930]

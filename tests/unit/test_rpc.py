@@ -5,6 +5,7 @@ tracing exporter choice."""
 from __future__ import annotations
 
 import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from crossdraft.engine import DraftConfig, Engine
-from crossdraft.sessions import AllowedSet, DrafterSession, TargetSession, new_cache
 from crossdraft.sampling import SamplingParams
+from crossdraft.sessions import AllowedSet, DrafterSession, TargetSession, new_cache
 from tests.tiny_models import tiny_lm
 
 PROMPTS = ["def add(a, b):\n    return", "import numpy as np\n\nclass Model:\n    def __init__(self):"]
@@ -207,7 +207,7 @@ def test_rounds_feed_drafter_and_target_exactly_once(eng, greedy):
     # ids + its proposals but the last; the new ids share a prefix with that (the accepted
     # proposals, or less after a re-tokenisation), and only the rest is fed
     small = 0
-    for j, (b, e) in enumerate(zip(blocks, ends)):
+    for j, (b, _) in enumerate(zip(blocks, ends)):
         ids_now = block_ids[j]
         if j == 0:
             assert dlog.calls[b] == (ids_now, list(range(len(ids_now))))  # the prompt's prefill
