@@ -253,6 +253,10 @@ class BatchScheduler:
                 if job.start < pool.length(h):
                     pool.truncate(h, job.start)
                 end = job.start + len(job.tokens)
+                if -(-end // pool.block_size) > pool.blocks_total:
+                    raise InvalidArgument(
+                        "tokens", f"the session would hold {end} tokens; this server's KV cache holds "
+                        f"{pool.blocks_total * pool.block_size} (--kv-cache-tokens)")
                 try:
                     pool.ensure(h, end)
                 except PoolFull:

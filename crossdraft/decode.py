@@ -113,6 +113,8 @@ class RoundEvent:
     done: bool
     target_ids: list[int] = field(repr=False, default_factory=list)  # the session's ids now (shared, do not mutate)
     drafter_ids: list[int] | None = field(repr=False, default=None)
+    batch_size: int = 1  # sessions in the verifier's batched forward that verified this block
+    queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
 
 
 class Run:
@@ -372,7 +374,8 @@ class Decoder:
         overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
         stats.overhead_s += overhead
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
-                          req.d.ids if req.d else None)
+                          req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
+                          queue_wait_s=getattr(res, "queue_wait_s", 0.0))
 
     def _draft_step(self, req: _Request, kk: int, remaining: int, round_index: int) -> _Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

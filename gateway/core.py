@@ -378,6 +378,8 @@ class Job:
                     span.set_attribute("crossdraft.round.draft_ms", ev.draft_s * 1e3)
                     span.set_attribute("crossdraft.round.verify_ms", ev.verify_s * 1e3)
                     span.set_attribute("crossdraft.round.overhead_ms", ev.overhead_s * 1e3)
+                    span.set_attribute("crossdraft.round.batch_size", ev.batch_size)
+                    span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
                     gw.metrics.round(ev)
 
                 yield record

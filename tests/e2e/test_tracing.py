@@ -20,7 +20,8 @@ from tests.service_fixtures import Proc, model_server, wait_grpc_healthy
 
 ROUND_ATTRS = ("crossdraft.round.index", "crossdraft.round.draft_tokens_requested", "crossdraft.round.drafted",
                "crossdraft.round.accepted", "crossdraft.round.emitted", "crossdraft.round.draft_ms",
-               "crossdraft.round.verify_ms", "crossdraft.round.overhead_ms")
+               "crossdraft.round.verify_ms", "crossdraft.round.overhead_ms", "crossdraft.round.batch_size",
+               "crossdraft.round.queue_wait_ms")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,25 @@ def test_drafter_and_verifier_spans_share_the_request_trace(traced):
     # and a different request is a different trace
     other, _ = _run(gw, tracer)
     assert other != trace_id and _server_spans(procs["verifier"], other)
+
+
+def test_concurrent_requests_share_verifier_batches(traced):
+    """Requests running at once are verified in shared forwards; each round's span says how many
+    sessions its forward held and how long the block queued. Whether two blocks meet in one forward
+    depends on timing, so up to three bursts are tried before concluding they never do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gw, tracer, exporter, _ = traced
+    sizes = []
+    for _attempt in range(3):
+        exporter.clear()
+        with ThreadPoolExecutor(6) as ex:
+            dones = list(ex.map(lambda i: _run(gw, tracer, temperature=0.0, seed=i)[1], range(6)))
+        rounds = [s for s in exporter.get_finished_spans() if s.name == "crossdraft.verify_round"]
+        assert len(rounds) == sum(d["stats"]["rounds"] for d in dones)
+        sizes = [s.attributes["crossdraft.round.batch_size"] for s in rounds]
+        assert all(1 <= b <= 6 for b in sizes), sizes
+        assert all(s.attributes["crossdraft.round.queue_wait_ms"] >= 0 for s in rounds)
+        if max(sizes) > 1:
+            break
+    assert max(sizes) > 1, sizes

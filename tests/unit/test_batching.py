@@ -15,7 +15,7 @@ import torch
 
 from crossdraft.batching import BatchConfig
 from crossdraft.decode import Decoder
-from crossdraft.errors import NotFound, ResourceExhausted
+from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.policy import DraftConfig
 from crossdraft.sampling import SamplingParams
 from crossdraft.vocab import TokenPair
@@ -151,13 +151,13 @@ def test_full_pool_evicts_idle_sessions_which_resync_to_the_same_answer(target, 
         w.scheduler.close()
 
 
-def test_a_session_that_cannot_fit_gets_resource_exhausted_and_the_worker_still_serves(target, tok_t):
+def test_a_session_larger_than_the_whole_cache_is_invalid_and_the_worker_still_serves(target, tok_t):
     w = VerifierWorker(target, WCFG, batch=BatchConfig(kv_cache_tokens=32, block_size=8, prefill_chunk=16,
                                                        max_tokens=16))
     try:
         big = [int(x) for x in np.random.default_rng(2).integers(5, len(tok_t) - 5, size=60)]
-        w.sync("big", big)
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(InvalidArgument, match="KV cache holds 32"):
+            w.sync("big", big)
             w.verify("big", None, [5], None, 0, GREEDY, 0)
         w.end("big")
         w.sync("small", big[:10])
@@ -258,3 +258,35 @@ def test_sampling_verification_in_shared_batches_is_deterministic(target, tok_t,
         w.scheduler.close()
     assert got == want and all(0 <= t < vt for _, t in got)
     assert torch.get_num_threads() >= 1
+
+
+def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_succeed(target, tok_t):
+    """Two sessions whose prefills land in one batch but do not fit in the pool together: the busy one
+    cannot be evicted, so the other is refused with RESOURCE_EXHAUSTED (retry later); retried
+    alone, it evicts the now idle one and is served, with the one-by-one answer."""
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(kv_cache_tokens=32, block_size=8, prefill_chunk=32,
+                                                       max_tokens=64, max_wait_ms=1000))
+    ref = VerifierWorker(target, WCFG)
+    rng = np.random.default_rng(4)
+    ps = {f"s{i}": [int(x) for x in rng.integers(5, len(tok_t) - 5, size=20)] for i in range(2)}
+    outcomes = {}
+
+    def run(sid):
+        try:
+            w.sync(sid, ps[sid])  # no forward yet: the prefill runs with the first block
+            w.verify(sid, None, [5], None, 0, GREEDY, 0)
+            outcomes[sid] = "ok"
+        except ResourceExhausted:
+            outcomes[sid] = "exhausted"
+
+    try:
+        _run_threads([lambda s=s: run(s) for s in ps])
+        assert sorted(outcomes.values()) == ["exhausted", "ok"]
+        assert w.batch_info()["exhausted"] == 1
+        late = next(s for s, o in outcomes.items() if o == "exhausted")
+        w.sync(late, ps[late])  # alone now: the other session is idle and gets evicted
+        ref.sync(late, ps[late])
+        got, want = (x.verify(late, None, [5], None, 0, GREEDY, 0) for x in (w, ref))
+        assert (got.num_accepted, got.next_token) == (want.num_accepted, want.next_token)
+    finally:
+        w.scheduler.close()
