@@ -160,7 +160,9 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
 
 def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: list[str]) -> dict:
     print(f"[{label}] starting the stack from {code}", flush=True)
-    stack = Stack(code, a, log_dir / label, extra)
+    logs = log_dir / "".join(c if c.isalnum() else "-" for c in label)
+    logs.mkdir(parents=True, exist_ok=True)
+    stack = Stack(code, a, logs, extra)
     out = {"label": label, "code": str(code), "points": []}
     try:
         one_request(stack.url, "def warm_up(x):\n", a, 0.0, True, 0)  # load, time the costs, JIT paths
