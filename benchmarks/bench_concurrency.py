@@ -97,7 +97,9 @@ class Stack:
                 if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return
             if any(p.p.poll() is not None for p in self.procs):
-                raise RuntimeError(f"a service exited; see {log_dir}")
+                dead = [f"{p.name} (exit {p.p.returncode})" for p in self.procs if p.p.poll() is not None]
+                self.stop()
+                raise RuntimeError(f"{', '.join(dead)} exited; see {log_dir}")
             time.sleep(1)
         raise RuntimeError("the stack did not get ready")
 

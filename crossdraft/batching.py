@@ -43,7 +43,8 @@ class BatchConfig:
     max_tokens: int = 4096  # tokens (rows x their lengths) in one forward at most
     max_wait_ms: float = 3.0  # how long the first row waits for others while more callers are busy
     prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
-    kv_cache_tokens: int = 0  # KV pool size in tokens (0 = max_sessions x min(context, 4096))
+    kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
+    kv_cache_memory_fraction: float = 0.0  # automatic size's memory share (0 = 0.2 on CPU, 0.8 on CUDA)
     block_size: int = 16  # tokens per KV block
 
     def __post_init__(self) -> None:
@@ -55,6 +56,8 @@ class BatchConfig:
             raise InvalidArgument("max_wait_ms", f"must be in [0, 1000], got {self.max_wait_ms}")
         if self.kv_cache_tokens < 0:
             raise InvalidArgument("kv_cache_tokens", "must be >= 0 (0 = automatic)")
+        if not 0 <= self.kv_cache_memory_fraction <= 0.95:
+            raise InvalidArgument("kv_cache_memory_fraction", "must be in [0, 0.95] (0 = automatic)")
         if self.max_tokens < self.prefill_chunk:
             raise InvalidArgument("max_tokens", "must be >= prefill_chunk")
 
@@ -359,12 +362,20 @@ def _chunks(tokens: list[int], chunk: int, keep: int):
         i += n
 
 
-def pool_tokens(cfg: BatchConfig, max_sessions: int, max_context: int) -> int:
-    """The KV pool's size in tokens: the flag, else room for max_sessions of min(context, 4096)."""
+def pool_tokens(cfg: BatchConfig, max_sessions: int, max_context: int, bytes_per_token: int = 0,
+                available_bytes: int = 0, device_type: str = "cpu") -> int:
+    """The KV pool's size in tokens: the flag when set; else room for max_sessions sessions of
+    min(context, 4096) tokens, capped to a share of the memory available now (0.2 of the host's on
+    CPU, where other processes live beside the server; 0.8 of the GPU's free memory on CUDA), and
+    never below one session's worth."""
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     per = min(max_context or 4096, 4096)
-    return max(1, max_sessions) * per
+    want = max(1, max_sessions) * per
+    if bytes_per_token > 0 and available_bytes > 0:
+        share = cfg.kv_cache_memory_fraction or (0.8 if device_type == "cuda" else 0.2)
+        want = min(want, int(share * available_bytes) // bytes_per_token)
+    return max(per, want)
 
 
 __all__ = ["BatchConfig", "BatchScheduler", "BatchStats", "ForwardInfo", "KVSlot", "PooledKV", "pool_tokens"]

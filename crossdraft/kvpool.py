@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PoolFull", "KVPool", "Row", "batched_forward", "new_pool_for"]
+__all__ = ["PoolFull", "KVPool", "Row", "available_memory", "batched_forward", "kv_bytes_per_token", "new_pool_for"]
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
@@ -197,6 +198,31 @@ class KVPool:
 
     def _blocks_for(self, n: int) -> int:
         return -(-n // self.block_size)
+
+
+def kv_bytes_per_token(model, dtype=None) -> int:
+    """Bytes of K and V one token takes in a pool for `model` (all layers)."""
+    cfg = _text_config(model)
+    n_heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // n_heads)
+    dtype = dtype or next(model.parameters()).dtype
+    return int(cfg.num_hidden_layers) * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory(device) -> int:
+    """Bytes free for a pool on `device`: the GPU's free memory, or the host's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def new_pool_for(model, max_tokens: int, block_size: int = 16) -> KVPool:

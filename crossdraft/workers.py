@@ -150,12 +150,17 @@ class _Worker:
         self.evicted_for_memory = 0
         self.batch = batch if batch is not None and batch.enabled else None
         self.scheduler = None
+        self.kv_pool_bytes = 0
         if self.batch is not None:
             from .batching import BatchScheduler, pool_tokens
-            from .kvpool import KVPool
+            from .kvpool import KVPool, available_memory, kv_bytes_per_token
 
-            tokens = pool_tokens(self.batch, self.cfg.max_sessions, self.max_context)
+            per_token = kv_bytes_per_token(loaded.model)
+            device = next(loaded.model.parameters()).device
+            tokens = pool_tokens(self.batch, self.cfg.max_sessions, self.max_context, per_token,
+                                 available_memory(device), device.type)
             pool = KVPool(loaded.model, max_tokens=tokens, block_size=self.batch.block_size)
+            self.kv_pool_bytes = pool.blocks_total * pool.block_size * per_token
             self.scheduler = BatchScheduler(loaded.model, pool, self.batch, evict=self._evict_for,
                                             busy=lambda: self._busy)
 
