@@ -62,6 +62,20 @@ spec:
           value: {{ $v.maxSessions | quote }}
         - name: CROSSDRAFT_SESSION_TTL_S
           value: {{ $v.sessionTtlSeconds | quote }}
+        - name: CROSSDRAFT_BATCHING
+          value: {{ ternary "on" "off" $v.batching.enabled | quote }}
+        - name: CROSSDRAFT_MAX_BATCH_ROWS
+          value: {{ $v.batching.maxRows | quote }}
+        - name: CROSSDRAFT_MAX_BATCH_TOKENS
+          value: {{ $v.batching.maxTokens | quote }}
+        - name: CROSSDRAFT_BATCH_WAIT_MS
+          value: {{ $v.batching.waitMs | quote }}
+        - name: CROSSDRAFT_PREFILL_CHUNK
+          value: {{ $v.batching.prefillChunk | quote }}
+        - name: CROSSDRAFT_KV_CACHE_TOKENS
+          value: {{ $v.batching.kvCacheTokens | quote }}
+        - name: CROSSDRAFT_KV_CACHE_MEMORY_FRACTION
+          value: {{ $v.batching.kvCacheMemoryFraction | quote }}
         - name: CROSSDRAFT_LOG_LEVEL
           value: {{ $v.logLevel | quote }}
         - name: CROSSDRAFT_HOME

@@ -1,0 +1,83 @@
+"""Batched model servers on real catalog models: 8 clients at once get the tokens they get alone.
+
+smollm2-135m drafts (different vocabularies) for gemma3-270m (sliding-window layers, 262k vocab)
+and for qwen2.5-coder-0.5b, each model in its own process with batching on (the default), fp32,
+behind a real gateway and Redis. The same 8 prompts run first one at a time, then all at once
+through gRPC clients in 8 threads: greedy token ids must be identical, and the verifier must have
+run forwards holding more than one session (its Prometheus histogram of rows per forward).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from crossdraft.client import Client
+from crossdraft.redis_server import RedisServer
+from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
+
+pytestmark = pytest.mark.real_models
+
+DRAFTER = "smollm2-135m"
+PROMPTS = ["def fibonacci(n):\n", "The three primary colors are", "SELECT name FROM users WHERE",
+           "请用中文回答：天空为什么是蓝色的？", "import numpy as np\n\ndef softmax(x):\n",
+           "Once upon a time, in a small village,", "class Stack:\n    def __init__(self):\n",
+           "The capital of France is"]
+N = 16
+
+
+@pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
+def stack(request, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("batched-real")
+    redis = RedisServer().start()
+    procs = []
+    try:
+        mport = free_port()
+        v, vaddr = model_server("verifier", request.param, logs, dtype="float32",
+                                extra=["--metrics-port", str(mport)])
+        procs.append(v)
+        d, daddr = model_server("drafter", DRAFTER, logs, dtype="float32")
+        procs.append(d)
+        wait_grpc_healthy(vaddr, v, timeout=300)
+        wait_grpc_healthy(daddr, d, timeout=300)
+        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=60)
+        procs.append(g)
+        wait_http_ready(http, g, timeout=300)
+        yield grpc_addr, f"http://127.0.0.1:{mport}/metrics"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        redis.stop()
+
+
+def _generate(addr, prompt):
+    with Client(addr) as c:
+        return c.generate(prompt, max_new_tokens=N)
+
+
+def _rows_histogram(metrics_url) -> tuple[float, float]:
+    """(forwards, rows) the verifier has run so far, from crossdraft_verifier_batch_rows."""
+    text = requests.get(metrics_url, timeout=10).text
+    vals = {}
+    for line in text.splitlines():
+        for k in ("crossdraft_verifier_batch_rows_count", "crossdraft_verifier_batch_rows_sum"):
+            if line.startswith(k + " "):
+                vals[k] = float(line.split()[1])
+    return vals["crossdraft_verifier_batch_rows_count"], vals["crossdraft_verifier_batch_rows_sum"]
+
+
+def test_eight_concurrent_clients_get_the_tokens_they_get_alone(stack):
+    addr, metrics = stack
+    alone = [_generate(addr, p) for p in PROMPTS]
+    assert all(len(r.token_ids) > 0 for r in alone)
+    f0, r0 = _rows_histogram(metrics)
+    assert r0 == f0 > 0  # one at a time: every forward held one session
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        together = list(ex.map(lambda p: _generate(addr, p), PROMPTS))
+    for p, a, t in zip(PROMPTS, alone, together, strict=True):
+        assert t.token_ids == a.token_ids, p
+    assert sum(r.stats["drafted"] for r in together) > 0
+    f1, r1 = _rows_histogram(metrics)
+    assert r1 - r0 > f1 - f0  # some forwards verified several sessions at once
