@@ -249,6 +249,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--baseline", default="", help="git revision of the code to compare with (run from a worktree)")
     ap.add_argument("--model-args", default="", help="extra flags for this checkout's model servers")
+    ap.add_argument("--unbatched", action="store_true",
+                    help="also run this checkout with --batching off (same code, one forward at a time)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
@@ -257,6 +259,8 @@ def main() -> None:
     log_dir = tmp / "logs"
     log_dir.mkdir()
     versions = [run_version("batched", ROOT, a, ps, log_dir, a.model_args.split())]
+    if a.unbatched:
+        versions.append(run_version("unbatched", ROOT, a, ps, log_dir, a.model_args.split() + ["--batching", "off"]))
     base = None
     if a.baseline:
         base = baseline_checkout(a.baseline, tmp)
@@ -266,7 +270,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
-                    "prompts": len(ps), **git_commit(), "baseline": a.baseline,
+                    "prompts": len(ps), **git_commit(), "baseline": a.baseline, "unbatched": a.unbatched,
                     "time": time.strftime("%Y-%m-%d %H:%M")},
            "versions": versions}
     out = Path(a.out)
