@@ -290,3 +290,34 @@ def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_s
         assert (got.num_accepted, got.next_token) == (want.num_accepted, want.next_token)
     finally:
         w.scheduler.close()
+
+
+def test_a_stalled_draft_stream_does_not_block_other_sessions_batches(drafter, target, tok_t, tok_d):
+    """A client that stops reading its Draft stream after one token (stalled or gone) holds nothing
+    the batch loop needs: other sessions keep drafting and verifying in batched forwards, and the
+    stalled stream still works when read again."""
+    d = DrafterWorker(drafter, WCFG, batch=BatchConfig(max_wait_ms=5))
+    v = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=5))
+    try:
+        d.sync("stalled", [5, 6, 7, 8])
+        it = d.draft_iter("stalled", None, None, 5, 0, GREEDY, 0, 0.0, "")
+        first = next(it)
+        done = []
+
+        def others(i):
+            def fn():
+                sid = f"o{i}"
+                d.sync(sid, [9, 10 + i, 11])
+                toks = list(d.draft_iter(sid, None, None, 4, 0, GREEDY, 0, 0.0, ""))
+                v.sync(sid, [9, 10 + i, 11])
+                v.verify(sid, None, [5, 6], None, 0, GREEDY, 0)
+                done.append(len(toks))
+            return fn
+
+        _run_threads([others(i) for i in range(4)])  # would hang (and fail) if blocked
+        assert sorted(done) == [4, 4, 4, 4]
+        rest = list(it)
+        assert len(rest) == 4 and first is not None
+    finally:
+        d.scheduler.close()
+        v.scheduler.close()

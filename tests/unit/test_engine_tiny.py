@@ -287,3 +287,67 @@ def test_chi_square_detects_a_lossy_sampler(tli_no_eos, monkeypatch):
     except AssertionError:
         return  # produced pairs target-only sampling never would: detected
     assert pvalue < 1e-6
+
+
+def test_tli_sampling_in_shared_batches_matches_target_only_distribution(tli_no_eos, peaked_pair):
+    """Losslessness with batching: many sessions at once (8 threads) over batched drafter and
+    verifier workers, so drafting steps and verification blocks share forwards; the sampled pairs
+    still follow target-only sampling's exact distribution."""
+    import threading
+
+    from crossdraft.batching import BatchConfig
+    from crossdraft.decode import Decoder
+    from crossdraft.workers import DrafterWorker, VerifierWorker, WorkerConfig
+
+    params = SamplingParams(temperature=1.0)
+    engine = tli_no_eos
+    prompt = "def add(a, b):\n"
+    t_ids = list(engine.target.tokenizer(prompt)["input_ids"])
+    d_ids = engine.pair.encode_drafter(prompt)
+    expected = _exact_two_token_distribution(engine, t_ids, params)
+    target, drafter = peaked_pair
+    cfg = WorkerConfig(max_sessions=64)
+    vb = VerifierWorker(target, cfg, batch=BatchConfig(max_wait_ms=20))
+    db = DrafterWorker(drafter, cfg, batch=BatchConfig(max_wait_ms=20))
+    dec = Decoder(engine.pair, vb, db, eos_ids=target.eos_token_ids, max_context=vb.max_context)
+    n, threads = 8000, 8
+    counts: dict = {}
+    lock = threading.Lock()
+    errors = []
+
+    def worker(w):
+        try:
+            for seed in range(w, n, threads):
+                sid = f"chi-{seed}"
+                run = dec.run(sid, t_ids, d_ids, max_new_tokens=2, params=params, seed=seed,
+                              draft=DraftConfig(num_draft_tokens=3, adaptive=False))
+                for _ in run:
+                    pass
+                vb.end(sid)
+                db.end(sid)
+                key = tuple(run.result.token_ids[:2])
+                with lock:
+                    counts[key] = counts.get(key, 0) + 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ts = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(600)
+    finally:
+        torch.set_num_threads(torch_threads)
+        vb.scheduler.close()
+        db.scheduler.close()
+    assert not errors, errors[0]
+    assert sum(counts.values()) == n
+    (chi2, pvalue), cells = _chi_square(counts, expected, n)
+    assert cells >= 30
+    assert pvalue > 1e-3, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
+    # the forwards really were shared
+    assert vb.scheduler.stats.rows > 1.5 * vb.scheduler.stats.batches
+    assert db.scheduler.stats.rows > 1.5 * db.scheduler.stats.batches
