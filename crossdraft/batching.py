@@ -41,7 +41,9 @@ class BatchConfig:
     enabled: bool = True  # False: one forward at a time, each session with its own cache
     max_rows: int = 32  # sessions in one forward at most
     max_tokens: int = 4096  # tokens (rows x their lengths) in one forward at most
-    max_wait_ms: float = 3.0  # how long the first row waits for others while more callers are busy
+    # how long the first row may wait for others that are in flight or due (None = automatic:
+    # 15% of the mean forward time, 1 to 30 ms)
+    max_wait_ms: float | None = None
     prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
     kv_cache_memory_fraction: float = 0.0  # automatic size's memory share (0 = 0.2 on CPU, 0.8 on CUDA)
@@ -52,7 +54,7 @@ class BatchConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgument(name, f"must be an integer >= 1, got {v!r}")
-        if not 0 <= self.max_wait_ms <= 1000:
+        if self.max_wait_ms is not None and not 0 <= self.max_wait_ms <= 1000:
             raise InvalidArgument("max_wait_ms", f"must be in [0, 1000], got {self.max_wait_ms}")
         if self.kv_cache_tokens < 0:
             raise InvalidArgument("kv_cache_tokens", "must be >= 0 (0 = automatic)")
@@ -135,19 +137,30 @@ class BatchStats:
 class BatchScheduler:
     """One loop thread running batched forwards of one model over one :class:`KVPool`."""
 
-    def __init__(self, model, pool: KVPool, cfg: BatchConfig, *, evict=None, busy=None):
+    def __init__(self, model, pool: KVPool, cfg: BatchConfig, *, threads: int | None = None, evict=None,
+                 busy=None):
         self.model = model
         self.pool = pool
         self.cfg = cfg
         self.evict = evict  # callable(blocks_needed) -> bool: free idle sessions' blocks
         self.busy = busy or (lambda: 0)  # callable: callers inside the worker right now
+        # the forwards' intra-op threads (set on the loop thread)
+        self.threads = threads or torch.get_num_threads()
         self.stats = BatchStats()
         self._q: deque[_Job] = deque()
         self._cv = threading.Condition()
         self._stop = False
         self._releases: list[KVSlot] = []
+        # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
+        self._seen: dict[int, list] = {}
+        self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
         self._thread = threading.Thread(target=self._loop, name="crossdraft-batcher", daemon=True)
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The loop thread (the one that runs the forwards)."""
+        return self._thread
 
     # ---- slots: a session's place in the pool -------------------------------------------------------
     # Every pool mutation happens on the loop thread (between or inside batches), so the pool
@@ -163,6 +176,7 @@ class BatchScheduler:
                 self._cv.notify()
 
     def _free(self, slot: "KVSlot") -> None:
+        self._seen.pop(id(slot), None)
         if slot.handle is not None:
             self.pool.free(slot.handle)
             slot.handle = None
@@ -183,6 +197,12 @@ class BatchScheduler:
             with self._cv:
                 if self._stop:
                     raise ResourceExhausted("the model server is shutting down")
+                seen = self._seen.get(id(slot))
+                if seen is None:
+                    self._seen[id(slot)] = [job.t_submit, None]
+                else:
+                    gap = job.t_submit - seen[0]
+                    seen[0], seen[1] = job.t_submit, gap if seen[1] is None else 0.7 * seen[1] + 0.3 * gap
                 self._q.append(job)
                 self._cv.notify()
             job.done.wait()
@@ -217,7 +237,7 @@ class BatchScheduler:
             batch = [self._q.popleft()]
             slots = {id(batch[0].slot)}
             tokens = len(batch[0].tokens)
-            deadline = time.perf_counter() + cfg.max_wait_ms / 1000.0
+            deadline = time.perf_counter() + self._max_wait_s()
             skipped: list[_Job] = []
             while len(batch) < cfg.max_rows:
                 if self._q:
@@ -231,13 +251,34 @@ class BatchScheduler:
                     slots.add(id(job.slot))
                     tokens += len(job.tokens)
                     continue
-                # nothing queued: wait a little only while other callers may be about to submit
+                # nothing queued: wait a little, only while other rows may be about to come
                 now = time.perf_counter()
-                if now >= deadline or self.busy() <= len(batch):
+                if now >= deadline or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
                     break
                 self._cv.wait(deadline - now)
             self._q.extendleft(reversed(skipped))
             return batch
+
+    def _max_wait_s(self) -> float:
+        if self.cfg.max_wait_ms is not None:
+            return self.cfg.max_wait_ms / 1000.0
+        return min(0.030, max(0.001, 0.15 * self._forward_s))
+
+    def _due(self, slots: set, now: float, deadline: float) -> bool:
+        """Whether a session not in the batch is expected to send its next row before the deadline:
+        its rows have been coming at a steady gap (the round trip of a client: its own rounds,
+        drafting, the gateway), so rows of sessions batched together once come back together, and
+        a short wait keeps them together instead of letting them drift into separate forwards.
+        Sessions long past their due time are forgotten."""
+        due = False
+        for key, (last, gap) in list(self._seen.items()):
+            if gap is None or key in slots:
+                continue
+            if now > last + 3 * gap + 1.0:
+                del self._seen[key]
+            elif now - 0.5 * gap <= last + gap <= deadline:
+                due = True
+        return due
 
     def _reserve(self, batch: list[_Job]) -> list[_Job]:
         """Give every row a handle and its blocks (evicting idle sessions if needed); fail rows that
@@ -281,6 +322,8 @@ class BatchScheduler:
         return ok
 
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
         while True:
             batch = self._gather()
             if batch is None:
@@ -306,6 +349,7 @@ class BatchScheduler:
                     j.done.set()
                 continue
             dt = time.perf_counter() - t0
+            self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
             for j, out, w in zip(batch, outs, waits):
                 j.result = out

@@ -35,7 +35,7 @@ class ModelServerConfig:
     batching: bool = True  # batch the sessions' forwards (off: one forward at a time, a cache per session)
     max_batch_rows: int = 32  # sessions in one forward at most
     max_batch_tokens: int = 4096  # tokens in one forward at most
-    batch_wait_ms: float = 3.0  # how long a forward waits for more rows while other requests are in flight
+    batch_wait_ms: float | None = None  # how long a forward may wait for more rows (None = automatic)
     prefill_chunk: int = 512  # long prefills/syncs run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic)
     kv_cache_memory_fraction: float = 0.0  # automatic pool size's share of free memory (0 = per device)
@@ -43,6 +43,16 @@ class ModelServerConfig:
 
 def _env(name: str, default):
     return os.environ.get(f"CROSSDRAFT_{name}", default)
+
+
+def _wait_ms(v) -> float | None:
+    """--batch-wait-ms: a number of ms, or "auto"."""
+    if v is None or str(v).strip().lower() == "auto":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-wait-ms: a number of ms or 'auto', got {v!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -61,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-batch-rows", type=int, default=int(_env("MAX_BATCH_ROWS", 32)), help="sessions per forward")
     p.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", 4096)),
                    help="tokens per forward")
-    p.add_argument("--batch-wait-ms", type=float, default=float(_env("BATCH_WAIT_MS", 3.0)),
-                   help="max wait for more rows while other requests are in flight")
+    p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
+                   help="longest wait of a forward for more rows in flight or due; auto = 15%% of the mean "
+                        "forward time, 1-30 ms (env CROSSDRAFT_BATCH_WAIT_MS)")
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
@@ -88,7 +99,7 @@ def config_from_args(a) -> ModelServerConfig:
                             batching=getattr(a, "batching", "on") == "on",
                             max_batch_rows=getattr(a, "max_batch_rows", 32),
                             max_batch_tokens=getattr(a, "max_batch_tokens", 4096),
-                            batch_wait_ms=getattr(a, "batch_wait_ms", 3.0),
+                            batch_wait_ms=getattr(a, "batch_wait_ms", None),
                             prefill_chunk=getattr(a, "prefill_chunk", 512),
                             kv_cache_tokens=getattr(a, "kv_cache_tokens", 0),
                             kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0))
