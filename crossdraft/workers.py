@@ -22,18 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .errors import FailedPrecondition, InvalidArgument, NotFound, check_int, check_session_id
 from .sampling import SamplingParams
 from .sessions import AllowedSet, DrafterSession, DraftToken, TargetSession, cost_numbers
-
-
-def _forward_threads() -> int:
-    """Intra-op threads for a new scheduler's forwards: the process's setting when it is built.
-    (Thread counts cannot differ per thread: torch.set_num_threads in any thread is process-wide
-    for the BLAS calls, measured; so callers keep the process's setting too.)"""
-    return torch.get_num_threads()
 
 
 def ids_crc32(ids) -> int:
@@ -169,8 +161,7 @@ class _Worker:
                                  available_memory(device), device.type)
             pool = KVPool(loaded.model, max_tokens=tokens, block_size=self.batch.block_size)
             self.kv_pool_bytes = pool.blocks_total * pool.block_size * per_token
-            self.scheduler = BatchScheduler(loaded.model, pool, self.batch, threads=_forward_threads(),
-                                            evict=self._evict_for,
+            self.scheduler = BatchScheduler(loaded.model, pool, self.batch, evict=self._evict_for,
                                             busy=lambda: self._busy)
 
     def _new_session(self, ids):
