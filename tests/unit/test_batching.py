@@ -271,16 +271,30 @@ def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_s
     ps = {f"s{i}": [int(x) for x in rng.integers(5, len(tok_t) - 5, size=20)] for i in range(2)}
     outcomes = {}
 
+    both_synced = threading.Barrier(2, timeout=60)
+
     def run(sid):
         try:
             w.sync(sid, ps[sid])  # no forward yet: the prefill runs with the first block
+            both_synced.wait()
             w.verify(sid, None, [5], None, 0, GREEDY, 0)
             outcomes[sid] = "ok"
         except ResourceExhausted:
             outcomes[sid] = "exhausted"
 
+    # Both rows must land in ONE batch. The loop waits for more rows only while it knows of callers
+    # inside the worker, and on a loaded machine the second thread may not be inside yet when the
+    # first row is gathered (CI once ran them in two batches: both "ok"). So both threads submit
+    # right after a barrier, and the loop is told two callers are busy: it holds the first row (up
+    # to max_wait_ms) until the second arrives.
+    busy = w.scheduler.busy
+    w.scheduler.busy = lambda: 2
     try:
-        _run_threads([lambda s=s: run(s) for s in ps])
+        try:
+            _run_threads([lambda s=s: run(s) for s in ps])
+        finally:
+            w.scheduler.busy = busy
+        assert w.scheduler.stats.batches == 1  # one batch held both prefills
         assert sorted(outcomes.values()) == ["exhausted", "ok"]
         assert w.batch_info()["exhausted"] == 1
         late = next(s for s, o in outcomes.items() if o == "exhausted")
