@@ -27,7 +27,9 @@ import torch
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 11)  # tokens per forward that are timed; others are interpolated
 VERIFIER_MAX = 17  # the table covers forwards of 1..VERIFIER_MAX tokens (beyond: extrapolated)
-DRAFTER_MAX = 2
+# the drafter's table too: a batched drafting step runs B sessions' single tokens in one forward,
+# and the policy prices it as a forward of B tokens (crossdraft.policy)
+DRAFTER_MAX = 17
 CONTEXT = 128  # tokens already cached when timing
 _ENV = "CROSSDRAFT_COST_PROFILE"
 

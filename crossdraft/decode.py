@@ -228,17 +228,17 @@ class Decoder:
         if key not in self._ratio:
             rows = int(self.pair.masks[mode].sum())
             dcost = self.drafter.cost(rows)
-            inputs = (cost_ratio(dcost, self.verifier.cost()), None, 0.0)
+            inputs = (cost_ratio(dcost, self.verifier.cost()), None, 0.0, None)
             vt = self.verifier.timings() if measured else []
             dt = self.drafter.timings() if measured else []
             if vt and dt and vt[0] > 0:
                 # the drafter's step: its measured 1-token forward, scaled to the pruned head's bytes
                 body, row, all_rows = self.drafter.cost()
                 frac = (body + row * rows) / max(1, body + row * all_rows)
-                inputs = (dt[0] * frac / vt[0], list(vt), vt[0] / 1000.0)
+                inputs = (dt[0] * frac / vt[0], list(vt), vt[0] / 1000.0, list(dt))
             self._ratio[key] = inputs
-        c, vt, step_s = self._ratio[key]
-        return DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None), step_s
+        c, vt, step_s, dt = self._ratio[key]
+        return DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt), step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed):
         try:
@@ -356,6 +356,7 @@ class Decoder:
             stats.verify_s += res.forward_s
             if req.spec:
                 req.policy.observe(kd, n)
+                req.policy.observe_batch(getattr(res, "batch_size", 1) or 1)
                 # wall-clock corrections (measured costs only); a probe after skipped
                 # rounds also feeds the drafter what it missed, so its time says little
                 req.policy.observe_time(len(drafted.tokens) if req.prev_drafted else 0, draft_wall, kd + 1, verify_wall,

@@ -58,6 +58,16 @@ class DraftPolicy:
     probe that does not pay (up to `max_probe_every`) -- so a drafter that cannot help costs only
     its rare probes.
 
+    Many sessions at once (measured costs only): the model servers batch the rounds of concurrent
+    sessions into one forward, so a session's share of the verification is v(B * m) / B and of a
+    drafter step d(B) / B, where B is the number of rows the verifier reports for this session's
+    batches (an exponential average). Where forwards cost in proportion to their tokens (a CPU in
+    fp32) drafting stops paying as B grows -- the verifier would rather score B sessions' single
+    tokens than B blocks of which a third is rejected -- while on a GPU, flat in m up to hundreds
+    of tokens, it keeps paying. rate(k) then compares E(k) tokens per v(B(k+1)) + k c d(B) with
+    one token per v(B); at B = 1 this is the single-session rule. The drafter's table
+    (``drafter_costs``, d(n) for n = 1..M) gives d(B); without it d(B) = B.
+
     Costs: ``c`` and ``verify_costs`` (v(m) for m = 1..M, relative to v(1)) come either from the
     model servers' measured forward times (``measured=True``: on CPUs the verification forward
     of a block can cost 2-3x a decoding step, which a weight-bytes estimate cannot see), or from
@@ -73,16 +83,22 @@ class DraftPolicy:
     max_probe_every = 48
     margin = 1.03  # measured costs: draft only when it is expected to beat target-only by this factor
     time_decay = 0.8
+    batch_decay = 0.7
 
     def __init__(self, cfg: DraftConfig, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
-                 verify_costs: list[float] | None = None, measured: bool = False):
+                 verify_costs: list[float] | None = None, measured: bool = False,
+                 drafter_costs: list[float] | None = None):
         self.cfg = cfg
         self.c = max(1e-3, float(cost_ratio))
         self.slope = max(0.0, float(verify_slope))
         self.v = [max(1e-6, float(x)) for x in verify_costs] if verify_costs else None
         if self.v:
             self.v = [x / self.v[0] for x in self.v]
+        self.d = [max(1e-6, float(x)) for x in drafter_costs] if drafter_costs else None
+        if self.d:
+            self.d = [x / self.d[0] for x in self.d]
         self.measured = measured
+        self.batch = 1.0  # rows of the verifier's batches this session's rounds ran in (measured mode)
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
         self.skipped = 0
@@ -102,15 +118,21 @@ class DraftPolicy:
             if n == k:  # a whole block accepted: drafting pays here again, probe at the usual pace
                 self.interval = self.probe_every
 
-    def vcost(self, m: int) -> float:
+    def vcost(self, m: float) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
         if not self.v:
             return 1.0 + self.slope * (m - 1)
-        if m <= len(self.v):
-            return self.v[m - 1]
-        last = self.v[-1]
-        step = max(0.0, last - self.v[-2]) if len(self.v) > 1 else self.slope
-        return last + step * (m - len(self.v))
+        return _table(self.v, m, self.slope)
+
+    def dcost(self, n: float) -> float:
+        """Cost of a drafter forward over n rows of one token, in drafter steps."""
+        return _table(self.d, n, 1.0) if self.d else max(1.0, n)
+
+    def observe_batch(self, rows: int) -> None:
+        """Measured mode: the verifier ran this session's round in a forward of ``rows`` rows."""
+        if self.measured and rows >= 1:
+            d = self.batch_decay
+            self.batch = d * self.batch + (1 - d) * float(rows)
 
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
         """Measured mode: a round's wall-clock times (drafter steps, the verification of m tokens),
@@ -118,11 +140,12 @@ class DraftPolicy:
         if not self.measured or target_step_s <= 0:
             return
         d = self.time_decay
-        if verify_s > 0 and m >= 1:
-            ratio = verify_s / (self.vcost(m) * target_step_s)
+        b = self.batch
+        if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
+            ratio = verify_s / (self.vcost(b * m) * target_step_s)
             self.scale_v = d * self.scale_v + (1 - d) * min(10.0, max(0.1, ratio))
         if steps > 0 and draft_s > 0:
-            ratio = draft_s / (steps * self.c * target_step_s)
+            ratio = draft_s / (steps * self.c * self.dcost(b) * target_step_s)
             self.scale_d = d * self.scale_d + (1 - d) * min(10.0, max(0.1, ratio))
 
     def rate(self, k: int) -> float:
@@ -132,7 +155,10 @@ class DraftPolicy:
         if k == 0:
             return 1.0
         sv = self.scale_v
-        return e * sv / (sv * self.vcost(k + 1) + k * self.c * self.scale_d)
+        b = self.batch if self.measured else 1.0
+        # per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
+        # against b tokens for v(b) (target-only); b = 1 is one session alone
+        return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * self.c * self.scale_d * self.dcost(b))
 
     def next_k(self) -> int:
         cfg = self.cfg
@@ -158,6 +184,19 @@ class DraftPolicy:
         self.probing = False
         self.wait = self.interval
         return best
+
+
+def _table(t: list[float], x: float, slope: float) -> float:
+    """t[i] = cost of i + 1 units; linear in between, past the end the last step (or ``slope``) goes on."""
+    if x <= 1:
+        return t[0]
+    if x <= len(t):
+        i = int(x) - 1
+        frac = x - (i + 1)
+        return t[i] if frac == 0 else t[i] + (t[i + 1] - t[i]) * frac
+    last = t[-1]
+    step = max(0.0, last - t[-2]) if len(t) > 1 else slope
+    return last + step * (x - len(t))
 
 
 def cost_ratio(drafter: tuple[int, int, int], target: tuple[int, int, int]) -> float:

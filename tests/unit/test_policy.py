@@ -91,3 +91,52 @@ def test_bad_cost_model_is_refused():
     with pytest.raises(InvalidArgument) as e:
         DraftConfig(cost_model="fast")
     assert e.value.field == "cost_model"
+
+
+# measured on this 2-vCPU machine (fp32): gemma3-270m's forwards of 1..17 tokens, smollm2-135m's
+GEMMA_CPU = [121, 121, 121, 149, 156, 164, 187, 210, 230, 251, 271, 291, 311, 332, 352, 372, 393]
+SMOL_CPU = [65 + 10 * i for i in range(17)]
+GPU_V = [30.0 + 0.02 * i for i in range(17)]  # memory-bound: 17 tokens cost about one
+GPU_D = [5.0 + 0.01 * i for i in range(17)]
+
+
+def _run_batched(policy: DraftPolicy, rounds: int, rows: int) -> list[int]:
+    ks = []
+    k = policy.cfg.num_draft_tokens
+    for i in range(rounds):
+        ks.append(k)
+        policy.observe(k, k if i % 4 else max(0, k - 1))  # high acceptance: every 4th block loses its last draft
+        policy.observe_batch(rows)
+        k = policy.next_k()
+    return ks
+
+
+def test_batched_sessions_on_a_cpu_stop_drafting_where_one_session_alone_drafts():
+    """Forwards that cost in proportion to their tokens: with 16 sessions per batch the verifier
+    would rather score 16 single tokens than 16 blocks, so the policy drafts (nearly) nothing;
+    alone, the same session drafts."""
+    alone = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    busy = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    ks_alone = _run_batched(alone, 40, 1)
+    ks_busy = _run_batched(busy, 40, 16)
+    assert all(k > 0 for k in ks_alone[3:])
+    assert sum(1 for k in ks_busy[5:] if k) <= 3  # rare probes only
+    assert busy.batch > 12 and alone.batch == 1.0
+    # load goes away: the batches shrink back to one row and drafting resumes
+    ks_after = _run_batched(busy, 60, 1)
+    assert all(k > 0 for k in ks_after[-10:])
+
+
+def test_batched_sessions_on_a_gpu_keep_drafting():
+    """Forwards flat in their tokens (memory-bound): batching does not change the answer."""
+    p = DraftPolicy(DraftConfig(), 0.15, verify_costs=GPU_V, drafter_costs=GPU_D, measured=True)
+    ks = _run_batched(p, 40, 16)
+    assert all(k >= 3 for k in ks[3:])
+
+
+def test_static_costs_ignore_the_batch():
+    """Static costs are a function of the tokens only (seeded sampling stays reproducible)."""
+    a = DraftPolicy(DraftConfig(), 0.3, verify_costs=None, measured=False)
+    b = DraftPolicy(DraftConfig(), 0.3, verify_costs=None, measured=False)
+    assert _run_batched(a, 30, 1) == _run_batched(b, 30, 32)
+    assert b.batch == 1.0
