@@ -101,6 +101,7 @@ class ForwardInfo:
     batch_rows: int = 1  # rows of the batch that computed the caller's logits
     batch_tokens: int = 0
     chunks: int = 0
+    active_sessions: int = 1  # sessions sending rows to this scheduler lately (the caller's included)
 
 
 class BatchStats:
@@ -211,9 +212,20 @@ class BatchScheduler:
             info.queue_wait_s += job.wait_s
             info.batch_rows, info.batch_tokens = job.batch_rows, job.batch_tokens
             info.chunks += 1
+            info.active_sessions = self.active_sessions()
             out = job.result
             pos += len(piece)
         return out, info
+
+    def active_sessions(self) -> int:
+        """Sessions whose rows keep coming: each sent one within twice its usual gap between rows (or
+        within the last second, before a gap is known). How many sessions a round's forwards are
+        shared by when every one of them sends its rows -- what the draft-length policy prices
+        drafting against, whatever the batches look like at the moment."""
+        now = time.perf_counter()
+        with self._cv:
+            return max(1, sum(1 for last, gap in self._seen.values()
+                              if now - last <= (max(2.0 * gap, 0.05) if gap is not None else 1.0)))
 
     def close(self) -> None:
         with self._cv:

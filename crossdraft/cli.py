@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with each model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the output before this text (repeat for up to 4)")
     _add_sampling_opts(g)
     _add_model_opts(g)
 
@@ -164,9 +166,10 @@ def cmd_generate(a) -> int:
     prompt = a.prompt
     if a.chat:
         res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
-                                   params=params, seed=a.seed, draft=draft)
+                                   params=params, seed=a.seed, draft=draft, stop=a.stop)
     else:
-        res = engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=a.seed, draft=draft)
+        res = engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=a.seed, draft=draft,
+                              stop=a.stop)
     if a.json:
         out = res.to_dict()
         out["target"] = a.target

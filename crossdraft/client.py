@@ -61,8 +61,9 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def _request(self, prompt, messages, session_id, options) -> gateway_pb2.GenerateRequest:
+    def _request(self, prompt, messages, session_id, options, stop=None) -> gateway_pb2.GenerateRequest:
         req = gateway_pb2.GenerateRequest(session_id=session_id or "", options=_opts(options))
+        req.stop.extend([stop] if isinstance(stop, str) else (stop or []))
         if prompt is not None:
             req.prompt = prompt
         for m in messages or []:
@@ -70,9 +71,11 @@ class Client:
         return req
 
     def events(self, prompt: str | None = None, *, messages: list[dict] | None = None, session_id: str | None = None,
-               **options):
-        """Raw GenerateResponse messages (text deltas, then one done)."""
-        yield from self.stub.Generate(self._request(prompt, messages, session_id, options), timeout=self.timeout_s)
+               stop: str | list[str] | None = None, **options):
+        """Raw GenerateResponse messages (text deltas, then one done). ``stop``: up to 4 strings
+        that end the completion (not included in it)."""
+        yield from self.stub.Generate(self._request(prompt, messages, session_id, options, stop),
+                                      timeout=self.timeout_s)
 
     def stream(self, prompt: str | None = None, **kw):
         """Yield text pieces as they are generated."""

@@ -92,6 +92,9 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # target ids of the new tokens (EOS included when it ended the output)
     stats: Stats
+    # a stop string ended the output: the stop string and whatever followed it in the same token
+    # (not part of ``text``, but part of what ``token_ids`` spell)
+    stop_tail: str = ""
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
@@ -176,6 +179,9 @@ class _Request:
     gen: list[int] = field(default_factory=list)
     gen_bytes: bytearray = field(default_factory=bytearray)
     utf8: object = None
+    stop: tuple[bytes, ...] = ()  # stop strings (UTF-8)
+    fed: int = 0  # gen_bytes[:fed] went out as text (the rest may still turn into a stop string)
+    cut: int | None = None  # a stop string starts at gen_bytes[cut]
     k: int = 0
     first: bool = True
     prev_drafted: bool = False
@@ -265,8 +271,12 @@ class Decoder:
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, sid: str, target_ids: list[int], drafter_ids: list[int] | None, *, max_new_tokens: int,
             params: SamplingParams, seed: int, draft: DraftConfig, round_start: int = 0,
-            use_drafter: bool = True, round_scope=None) -> Run:
+            use_drafter: bool = True, round_scope=None, stop=()) -> Run:
         """Validate and return the round iterator (its first step syncs both servers).
+
+        stop: up to 4 strings; the output ends before the first one generated (finish_reason
+        "stop"), matched on the generated text across token boundaries. Text that could still
+        become a stop string is held back from the rounds' ``text`` until it cannot.
 
         round_scope: optional callable round_index -> context manager yielding record(RoundEvent);
         each round's port calls run inside it (the gateway opens the round's trace span there).
@@ -283,8 +293,10 @@ class Decoder:
         spec = use_drafter and self.drafter is not None and drafter_ids is not None
         if spec and draft.mode == "text" and not params.greedy:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
+        stops = check_stop(stop)
         req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, Stats(prompt_tokens=len(target_ids)),
-                       spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None)
+                       spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None,
+                       stop=tuple(x.encode("utf-8") for x in stops))
         run = Run(None)
         run._gen = self._rounds(run, req, round_start, round_scope)
         return run
@@ -332,8 +344,10 @@ class Decoder:
             if ev.done:
                 req.stats.new_tokens = len(req.gen)
                 req.stats.total_s = time.perf_counter() - t_start
-                text = bytes(req.gen_bytes).decode("utf-8", errors="replace")
-                run.result = GenerationResult(text, req.gen, req.stats)
+                cut = len(req.gen_bytes) if req.cut is None else req.cut
+                text = bytes(req.gen_bytes[:cut]).decode("utf-8", errors="replace")
+                tail = bytes(req.gen_bytes[cut:]).decode("utf-8", errors="replace")
+                run.result = GenerationResult(text, req.gen, req.stats, stop_tail=tail)
             yield ev
             if ev.done:
                 return
@@ -356,7 +370,8 @@ class Decoder:
             stats.verify_s += res.forward_s
             if req.spec:
                 req.policy.observe(kd, n)
-                req.policy.observe_batch(getattr(res, "batch_size", 1) or 1)
+                # how many sessions share the verifier's forwards (its recent senders; else this batch's rows)
+                req.policy.observe_batch(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1)
                 # wall-clock corrections (measured costs only); a probe after skipped
                 # rounds also feeds the drafter what it missed, so its time says little
                 req.policy.observe_time(len(drafted.tokens) if req.prev_drafted else 0, draft_wall, kd + 1, verify_wall,
@@ -413,12 +428,39 @@ class Decoder:
                 out = out[: j + 1]
                 req.stats.finish_reason = "stop"
                 break
+        if req.stop:
+            out = self._find_stop(req, out)
         req.gen.extend(out)
         req.t_ids.extend(out)
-        new_bytes = self.pair.target_text_bytes(out)
-        req.gen_bytes += new_bytes
+        if req.cut is None:
+            req.gen_bytes += self.pair.target_text_bytes(out)
         done = req.stats.finish_reason == "stop" or len(req.gen) >= req.max_new_tokens
-        return out, req.utf8.decode(new_bytes, final=done), done
+        # text goes out up to a stop string, else up to what could still become one (all of it at the end)
+        end = req.cut if req.cut is not None else len(req.gen_bytes) if done else _safe_end(req.gen_bytes, req.stop)
+        piece = bytes(req.gen_bytes[req.fed:end])
+        req.fed = max(req.fed, end)
+        return out, req.utf8.decode(piece, final=done), done
+
+    def _find_stop(self, req: _Request, out: list[int]) -> list[int]:
+        """Look for a stop string in the text so far plus ``out``; if one is there, cut ``out`` after
+        the token that completes it, set ``req.cut`` and finish_reason "stop"."""
+        base = len(req.gen_bytes)
+        pieces = [self.pair.target_text_bytes([t]) for t in out]
+        buf = bytes(req.gen_bytes) + b"".join(pieces)
+        longest = max(len(x) for x in req.stop)
+        start = max(0, base - longest + 1)
+        hits = [(i, i + len(x)) for x in req.stop if (i := buf.find(x, start)) >= 0]
+        if not hits:
+            return out
+        cut, end = min(hits)
+        n, pos = 0, base
+        while pos < end and n < len(out):
+            pos += len(pieces[n])
+            n += 1
+        req.gen_bytes += b"".join(pieces[:n])
+        req.cut = cut
+        req.stats.finish_reason = "stop"
+        return out[:n]
 
     # ---- drafter bookkeeping (gateway side) ------------------------------------------------------
     def _commit_drafter(self, req: _Request, drafted: _Drafted, n: int, next_token: int) -> None:
@@ -484,3 +526,41 @@ class Decoder:
         tail = self._encode_drafter_bytes(new_bytes[off:])
         d.edit(len(d.ids), proposals[:keep] + tail)
         d.gen_lens.extend(len(pair.d_bytes[t]) if t < len(pair.d_bytes) else 0 for t in proposals[:keep] + tail)
+
+
+MAX_STOP = 4  # stop strings per request (as the OpenAI API)
+MAX_STOP_CHARS = 256
+
+
+def check_stop(stop) -> list[str]:
+    """A request's ``stop``: None, a string, or a list of up to 4 non-empty strings -> list."""
+    if stop is None or stop == "":
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    if len(stop) > MAX_STOP:
+        raise InvalidArgument("stop", f"at most {MAX_STOP} stop strings, got {len(stop)}")
+    out = []
+    for i, x in enumerate(stop):
+        if not isinstance(x, str) or not x:
+            raise InvalidArgument(f"stop[{i}]", "must be a non-empty string")
+        if len(x) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"stop[{i}]", f"is longer than {MAX_STOP_CHARS} characters")
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"stop[{i}]", "is not valid UTF-8 (unpaired surrogate)") from None
+        out.append(x)
+    return out
+
+
+def _safe_end(buf: bytearray, stops: tuple[bytes, ...]) -> int:
+    """How much of ``buf`` can go out: all but its longest tail that begins some stop string."""
+    n = len(buf)
+    for k in range(min(n, max((len(x) for x in stops), default=1) - 1), 0, -1):
+        tail = bytes(buf[n - k:])
+        if any(x.startswith(tail) for x in stops):
+            return n - k
+    return n

@@ -84,7 +84,9 @@ class Engine:
         seed: int = 0,
         draft: DraftConfig | None = None,
         use_drafter: bool = True,
+        stop: str | list[str] | None = None,
     ) -> GenerationResult:
+        """Generate after ``prompt`` (or ``prompt_ids``); ``stop``: up to 4 strings that end the output."""
         if prompt_ids is None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidArgument("prompt", "must be a non-empty string")
@@ -104,7 +106,7 @@ class Engine:
         try:
             run = self.decoder.run(sid, list(prompt_ids), d_ids, max_new_tokens=max_new_tokens,
                                    params=params or SamplingParams(), seed=seed, draft=draft or DraftConfig(),
-                                   use_drafter=use_drafter)
+                                   use_drafter=use_drafter, stop=stop)
             for _ in run:
                 pass
             return run.result

@@ -60,8 +60,10 @@ class DraftPolicy:
 
     Many sessions at once (measured costs only): the model servers batch the rounds of concurrent
     sessions into one forward, so a session's share of the verification is v(B * m) / B and of a
-    drafter step d(B) / B, where B is the number of rows the verifier reports for this session's
-    batches (an exponential average). Where forwards cost in proportion to their tokens (a CPU in
+    drafter step d(B) / B, where B is the number of sessions the verifier reports as sending it
+    blocks lately (an exponential average; not the rows of the last batch: while sessions draft,
+    fewer of them are verifying at any moment, and pricing with that smaller number would keep
+    everyone drafting where everyone skipping is faster). Where forwards cost in proportion to their tokens (a CPU in
     fp32) drafting stops paying as B grows -- the verifier would rather score B sessions' single
     tokens than B blocks of which a third is rejected -- while on a GPU, flat in m up to hundreds
     of tokens, it keeps paying. rate(k) then compares E(k) tokens per v(B(k+1)) + k c d(B) with
@@ -129,7 +131,7 @@ class DraftPolicy:
         return _table(self.d, n, 1.0) if self.d else max(1.0, n)
 
     def observe_batch(self, rows: int) -> None:
-        """Measured mode: the verifier ran this session's round in a forward of ``rows`` rows."""
+        """Measured mode: ``rows`` sessions share the verifier's forwards now."""
         if self.measured and rows >= 1:
             d = self.batch_decay
             self.batch = d * self.batch + (1 - d) * float(rows)

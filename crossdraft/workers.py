@@ -335,6 +335,7 @@ class VerifyReply:
     context: Expect
     batch_size: int = 1  # sessions in the batched forward that verified this block
     queue_wait_s: float = 0.0  # time the block waited for its batch to start
+    active_sessions: int = 1  # sessions sending blocks to this verifier lately (batched servers)
 
 
 class VerifierWorker(_Worker):
@@ -358,7 +359,8 @@ class VerifierWorker(_Worker):
             last = getattr(sess.kv, "last", None)
             return VerifyReply(o.num_accepted, o.next_token, list(o.accepted), res.forward_s, Expect.of(sess.ids),
                                batch_size=last.batch_rows if last else 1,
-                               queue_wait_s=last.queue_wait_s if last else 0.0)
+                               queue_wait_s=last.queue_wait_s if last else 0.0,
+                               active_sessions=last.active_sessions if last else 1)
 
 
 class DrafterWorker(_Worker):

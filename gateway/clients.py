@@ -123,7 +123,7 @@ class RemoteVerifier(_Remote):
         r = self._call("Verify", self.stub.Verify, req)
         return VerifyReply(r.num_accepted, r.next_token_id, list(r.accepted), r.forward_ms / 1e3,
                            wire.expect_from_proto(r.context), batch_size=r.batch_size or 1,
-                           queue_wait_s=r.queue_wait_ms / 1e3)
+                           queue_wait_s=r.queue_wait_ms / 1e3, active_sessions=r.active_sessions or r.batch_size or 1)
 
     def end(self, sid) -> bool:
         """Drop session `sid` on the verifier; whether it existed."""

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -14,10 +15,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from crossdraft.decode import Decoder
+from crossdraft.decode import Decoder, check_stop
 from crossdraft.errors import (
     CrossdraftError,
     InvalidArgument,
+    ResourceExhausted,
     Unauthenticated,
     Unavailable,
     check_int,
@@ -61,6 +63,9 @@ class GatewayConfig:
     default_num_draft_tokens: int = 4  # initial block size
     # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
     api_keys: frozenset = frozenset()
+    max_concurrent_requests: int = 256  # generations running at once; more wait in the queue
+    max_queued_requests: int = 256  # generations waiting for a slot; more are refused (429 / RESOURCE_EXHAUSTED)
+    queue_timeout_s: float = 30.0  # a queued generation that gets no slot in this long is refused
 
 
 OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
@@ -107,7 +112,7 @@ def validate_options(opts: dict, cfg: GatewayConfig, names: dict | None = None) 
     return out
 
 
-def _check_utf8(name: str, text: str) -> None:
+def check_utf8(name: str, text: str) -> None:
     """JSON can carry lone surrogates ("\\ud800"); they have no UTF-8 form (tokenisers and gRPC need one)."""
     try:
         text.encode("utf-8")
@@ -127,7 +132,7 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
             raise InvalidArgument(f"{field}[{i}].role", f"must be system, user or assistant, got {role!r}")
         if not isinstance(content, str):
             raise InvalidArgument(f"{field}[{i}].content", "must be a string")
-        _check_utf8(f"{field}[{i}].content", content)
+        check_utf8(f"{field}[{i}].content", content)
         out.append({"role": role, "content": content})
     return out
 
@@ -145,6 +150,86 @@ def check_api_key(cfg: GatewayConfig, authorization: str | None) -> None:
         token = ""
     if not token or not any(hmac.compare_digest(token, k) for k in cfg.api_keys):
         raise Unauthenticated("authorization: missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+
+class Admission:
+    """How many generations run at once (``limit``) and how many may wait for a slot (``queue``,
+    each up to ``wait_s``); past both, requests are refused at once with RESOURCE_EXHAUSTED (HTTP
+    429 + Retry-After). Only generations take slots: health, metrics, sessions and tokenization
+    never wait behind them."""
+
+    def __init__(self, limit: int, queue: int, wait_s: float):
+        self.limit, self.queue, self.wait_s = int(limit), int(queue), float(wait_s)
+        self.active = 0
+        self.waiting = 0
+        self.refused = 0
+        self._cv = threading.Condition()
+
+    def _refuse(self, why: str) -> ResourceExhausted:
+        self.refused += 1
+        return ResourceExhausted(f"the gateway is at capacity ({self.active} requests running, {self.waiting} "
+                                 f"waiting): {why}; retry later")
+
+    def enter_nowait(self) -> bool:
+        """True: a slot is taken; False: queued (then :meth:`wait` or poll :meth:`promote`)."""
+        with self._cv:
+            if self.active < self.limit and self.waiting == 0:
+                self.active += 1
+                return True
+            if self.waiting >= self.queue:
+                raise self._refuse("the wait queue is full")
+            self.waiting += 1
+            return False
+
+    def promote(self) -> bool:
+        """A queued caller takes a free slot, if there is one."""
+        with self._cv:
+            if self.active < self.limit:
+                self.active += 1
+                self.waiting -= 1
+                return True
+            return False
+
+    def abandon(self) -> ResourceExhausted:
+        """A queued caller gives up (waited too long): the error to raise."""
+        with self._cv:
+            self.waiting -= 1
+            return self._refuse(f"no slot within {self.wait_s:g} s")
+
+    def enter(self) -> None:
+        """Take a slot, waiting in the queue up to ``wait_s`` (blocking: gRPC handler threads)."""
+        if self.enter_nowait():
+            return
+        deadline = time.monotonic() + self.wait_s
+        with self._cv:
+            while True:
+                if self.active < self.limit:
+                    self.active += 1
+                    self.waiting -= 1
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+        raise self.abandon()
+
+    async def enter_async(self) -> None:
+        """Take a slot without blocking the event loop (REST): poll while queued."""
+        import anyio
+
+        if self.enter_nowait():
+            return
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            if self.promote():
+                return
+            await anyio.sleep(0.01)
+        raise self.abandon()
+
+    def leave(self) -> None:
+        with self._cv:
+            self.active -= 1
+            self._cv.notify()
 
 
 class Metrics:
@@ -166,6 +251,8 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.fallbacks = Counter("crossdraft_drafter_fallbacks_total", "Requests that went on target-only", registry=r)
         self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
+        self.queued = Gauge("crossdraft_queued_requests", "Requests waiting for a slot (--max-concurrent-requests)",
+                            registry=r)
 
     def round(self, ev) -> None:
         self.rounds.inc()
@@ -218,6 +305,8 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.eos_ids = tuple(eos_ids)
         self.max_context = max_context
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s)
+        self.metrics.queued.set_function(lambda: self.admission.waiting)
         self._decoders: dict[tuple, Decoder] = {}
         self._lock = threading.Lock()
         v = placement.any_client("verifier")
@@ -264,8 +353,21 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
-              api: str = "grpc", names: dict | None = None) -> "Job":
-        """Validate and prepare a request (errors raise here, before any output)."""
+              api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False) -> "Job":
+        """Validate and prepare a request (errors raise here, before any output).
+
+        admitted: the caller holds an admission slot (:attr:`admission`); the job gives it back
+        when it ends -- or start() does, if it raises."""
+        try:
+            job = self._start(session_id, prompt, messages, options, api, names, stop)
+        except BaseException:
+            if admitted:
+                self.admission.leave()
+            raise
+        job.admitted = admitted
+        return job
+
+    def _start(self, session_id, prompt, messages, options, api, names, stop) -> "Job":
         names = names or {}
         if session_id:
             check_session_id(session_id)
@@ -277,20 +379,21 @@ class Gateway:
             if len(prompt) > self.cfg.max_prompt_chars:
                 raise InvalidArgument(names.get("prompt", "prompt"),
                                       f"is longer than {self.cfg.max_prompt_chars} characters")
-            _check_utf8(names.get("prompt", "prompt"), prompt)
+            check_utf8(names.get("prompt", "prompt"), prompt)
         if messages is not None:
             messages = validate_messages(messages, names.get("messages", "messages"))
             if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
                 raise InvalidArgument(names.get("messages", "messages"),
                                       f"are longer than {self.cfg.max_prompt_chars} characters")
         opts = validate_options(options, self.cfg, names)
+        stop = check_stop(stop)
         session = None
         lease = None
         if session_id:
             session = self.store.get(session_id)
             lease = self.store.acquire(session_id)
         try:
-            return Job(self, session, lease, prompt, messages, opts, api, names)
+            return Job(self, session, lease, prompt, messages, opts, api, names, stop)
         except BaseException:
             if lease:
                 self.store.release(session_id, lease)
@@ -300,10 +403,11 @@ class Gateway:
 class Job:
     """One prepared request; iterate :meth:`events` for {"type": "delta" | "done", ...} dicts."""
 
-    def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names):
+    def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names, stop=()):
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
         self._finished = False
         self._placed = False
+        self.admitted = False  # holds an admission slot (given back by close())
         self.sid = None
         pair = gw.pair
         merged = dict(session.options) if session else {}
@@ -356,7 +460,7 @@ class Job:
         self.run = gw.decoder(self.v_addr, self.d_addr).run(
             self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
             draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
-            round_scope=self._round_scope)
+            round_scope=self._round_scope, stop=stop)
         self.prompt_tokens = len(t_ids)
         pl.acquire("verifier", self.v_addr)
         pl.acquire("drafter", self.d_addr)
@@ -432,7 +536,8 @@ class Job:
                 if self.kind == "chat":
                     s.messages = self.messages + [{"role": "assistant", "content": res.text}]
                 else:
-                    s.text += (self.prompt_text or "") + res.text
+                    # the session's text spells its tokens: a stop string stays in it (not in the reply)
+                    s.text += (self.prompt_text or "") + res.text + res.stop_tail
                 s.stats = _add_stats(s.stats, st)
                 gw.store.save(s)
             status = "ok"
@@ -456,6 +561,9 @@ class Job:
         self.close()
 
     def close(self) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.gw.admission.leave()
         if self.lease and self.session is not None:
             self.gw.store.release(self.session.session_id, self.lease)
             self.lease = None
@@ -468,4 +576,5 @@ class Job:
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
-__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "validate_options"]
+__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "check_utf8",
+           "validate_messages", "validate_options"]

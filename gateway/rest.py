@@ -26,9 +26,10 @@ from crossdraft.errors import (
     Unavailable,
 )
 
-from .core import OPTION_FIELDS, check_api_key
+from .core import OPTION_FIELDS, check_api_key, check_utf8, validate_messages
 
 MAX_BODY_BYTES = 4 << 20
+MAX_DETOKENIZE = 1 << 20  # token ids per /detokenize call
 RETRY_AFTER_S = 1  # 429 / 503: when to try again (a round or two frees KV memory; a restart takes longer)
 # REST field -> gateway option
 REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
@@ -37,8 +38,8 @@ REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_ne
                 "use_drafter": "use_drafter"}
 # accepted for compatibility; only their neutral values are allowed
 NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
-           "echo": (False,), "best_of": (1,), "stop": (None, [], ""), "user": None, "model": None,
-           "stream_options": None, "suffix": (None, "")}
+           "echo": (False,), "best_of": (1,), "user": None, "model": None,
+           "suffix": (None, "")}
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -99,7 +100,7 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     for k, v in data.items():
         if k in REST_OPTIONS:
             _take_option(opts, k, v)
-        elif k in (input_field, "stream", "session_id"):
+        elif k in (input_field, "stream", "session_id", "stop", "stream_options"):
             extra[k] = v
         elif k in NEUTRAL:
             allowed = NEUTRAL[k]
@@ -112,6 +113,17 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     sid = extra.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise InvalidArgument("session_id", "must be a string")
+    so = extra.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidArgument("stream_options", "must be an object")
+        for k, v in so.items():
+            if k != "include_usage":
+                raise InvalidArgument(f"stream_options.{k}", "unknown field")
+            if not isinstance(v, bool):
+                raise InvalidArgument("stream_options.include_usage", "must be a boolean")
+        if not extra.get("stream"):
+            raise InvalidArgument("stream_options", "is only allowed with stream: true")
     return opts, extra
 
 
@@ -143,8 +155,12 @@ def _final(done: dict, rid: str, created: int, model: str, chat: bool) -> dict:
             "session_id": done["session_id"] or None}
 
 
-def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool):
-    """The completion as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``."""
+def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include_usage: bool = False):
+    """The completion as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``.
+
+    The finishing chunk carries ``usage`` (and the speculative stats) in any case; with
+    ``stream_options.include_usage`` one more chunk follows with no choices and the usage, as
+    OpenAI clients expect."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta_text, finish=None, extra=None, first=False):
@@ -171,6 +187,9 @@ def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool):
                 yield chunk("", finish=ev["finish_reason"],
                             extra={"usage": ev["usage"], "speculative": ev["stats"],
                                    "session_id": ev["session_id"] or None})
+                if include_usage:
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                 "choices": [], "usage": ev["usage"]}) + "\n\n"
         yield "data: [DONE]\n\n"
     except Exception as e:
         err = json.loads(error_response(e).body)
@@ -210,6 +229,8 @@ class RestApi:
             Route("/v1/sessions", self.create_session, methods=["POST"]),
             Route("/v1/sessions/{sid}", self.get_session, methods=["GET"]),
             Route("/v1/sessions/{sid}", self.delete_session, methods=["DELETE"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/readyz", self.readyz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -222,8 +243,9 @@ class RestApi:
     async def chat_completions(self, request: Request):
         return await self._generate(request, chat=True)
 
-    def _start_job(self, g, data: dict, chat: bool):
-        """Validate the body and start the generation job (raises InvalidArgument & co.)."""
+    async def _start_job(self, g, data: dict, chat: bool):
+        """Validate the body, take an admission slot and start the generation job (raises
+        InvalidArgument, ResourceExhausted & co.)."""
         field = "messages" if chat else "prompt"
         opts, extra = _split(data, field)
         if field not in extra:
@@ -232,9 +254,11 @@ class RestApi:
         if not chat and not isinstance(value, str):
             raise InvalidArgument("prompt", "must be a string")
         names = dict(_names(data), prompt="prompt", messages="messages")
+        await g.admission.enter_async()
         job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
-                      messages=value if chat else None, options=opts, api="rest", names=names)
-        return job, bool(extra.get("stream"))
+                      messages=value if chat else None, options=opts, api="rest", names=names,
+                      stop=extra.get("stop"), admitted=True)
+        return job, bool(extra.get("stream")), bool((extra.get("stream_options") or {}).get("include_usage"))
 
     async def _generate(self, request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
@@ -243,17 +267,18 @@ class RestApi:
         g = None
         try:
             g = self.gw()
-            job, stream = self._start_job(g, await _json_body(request), chat)
+            job, stream, include_usage = await self._start_job(g, await _json_body(request), chat)
         except Exception as e:
             if g is not None:
-                g.metrics.requests.labels("rest", "rejected").inc()
+                why = "overloaded" if isinstance(e, ResourceExhausted) else "rejected"
+                g.metrics.requests.labels("rest", why).inc()
             span.record_exception(e)
             span.end()
             return error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat),
+            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -292,6 +317,59 @@ class RestApi:
                    "same_vocabulary": bool(pair.same_vocab), "target_vocab_size": pair.vt,
                    "drafter_vocab_size": pair.vd})
         return JSONResponse(json.loads(json.dumps(st, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
+
+    # ---- the target's tokenizer -----------------------------------------------------------------
+    async def tokenize(self, request: Request):
+        """{"prompt": str} or {"messages": [...]} -> the target's token ids (chat: with its template)."""
+        try:
+            g = self.gw()
+            check_api_key(g.cfg, request.headers.get("authorization"))
+            data = await _json_body(request)
+            unknown = set(data) - {"prompt", "messages", "model"}
+            if unknown:
+                raise InvalidArgument(sorted(unknown)[0], "unknown field")
+            if ("prompt" in data) == ("messages" in data):
+                raise InvalidArgument("prompt", "give exactly one of prompt or messages")
+            if "prompt" in data:
+                prompt = data["prompt"]
+                if not isinstance(prompt, str):
+                    raise InvalidArgument("prompt", "must be a string")
+                if len(prompt) > g.cfg.max_prompt_chars:
+                    raise InvalidArgument("prompt", f"is longer than {g.cfg.max_prompt_chars} characters")
+                check_utf8("prompt", prompt)
+                ids = g.pair.encode_target(prompt) if prompt else []
+            else:
+                messages = validate_messages(data["messages"])
+                if sum(len(m["content"]) for m in messages) > g.cfg.max_prompt_chars:
+                    raise InvalidArgument("messages", f"are longer than {g.cfg.max_prompt_chars} characters")
+                ids = g.pair.chat_ids(messages)[0]
+        except Exception as e:
+            return error_response(e)
+        return JSONResponse({"tokens": [int(t) for t in ids], "count": len(ids),
+                             "max_model_len": g.max_context or None})
+
+    async def detokenize(self, request: Request):
+        """{"tokens": [ids]} -> {"prompt": the target tokenizer's text}."""
+        try:
+            g = self.gw()
+            check_api_key(g.cfg, request.headers.get("authorization"))
+            data = await _json_body(request)
+            unknown = set(data) - {"tokens", "model"}
+            if unknown:
+                raise InvalidArgument(sorted(unknown)[0], "unknown field")
+            ids = data.get("tokens")
+            if not isinstance(ids, list):
+                raise InvalidArgument("tokens", "must be a list of token ids")
+            if len(ids) > MAX_DETOKENIZE:
+                raise InvalidArgument("tokens", f"at most {MAX_DETOKENIZE} ids, got {len(ids)}")
+            vt = g.pair.vt
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vt:
+                    raise InvalidArgument(f"tokens[{i}]", f"must be a token id in [0, {vt}), got {t!r}")
+            text = g.pair.target_tok.decode(ids)
+        except Exception as e:
+            return error_response(e)
+        return JSONResponse({"prompt": text})
 
     # ---- sessions -----------------------------------------------------------------------------
     async def create_session(self, request: Request):

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_new_tokens when a request gives none")
     p.add_argument("--default-temperature", type=float, default=float(_env("DEFAULT_TEMPERATURE", 0.0)),
                    help="temperature when a request gives none (0 = greedy)")
+    p.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 256)),
+                   help="generations running at once (more wait in the queue)")
+    p.add_argument("--max-queued-requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", 256)),
+                   help="generations waiting for a slot; past this, HTTP 429 / RESOURCE_EXHAUSTED at once")
+    p.add_argument("--queue-timeout-s", type=float, default=float(_env("QUEUE_TIMEOUT_S", 30)),
+                   help="a queued generation without a slot after this long gets 429 / RESOURCE_EXHAUSTED")
     return p
 
 
@@ -63,6 +69,12 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("default_max_new_tokens", f"must be in [1, {a.max_new_tokens_limit}]")
     if not a.default_temperature >= 0:
         raise InvalidArgument("default_temperature", "must be >= 0")
+    if a.max_concurrent_requests < 1:
+        raise InvalidArgument("max_concurrent_requests", f"must be >= 1, got {a.max_concurrent_requests}")
+    if a.max_queued_requests < 0:
+        raise InvalidArgument("max_queued_requests", f"must be >= 0, got {a.max_queued_requests}")
+    if not a.queue_timeout_s >= 0:
+        raise InvalidArgument("queue_timeout_s", f"must be >= 0, got {a.queue_timeout_s}")
     for name in ("http_port", "grpc_port"):
         v = getattr(a, name)
         if not 0 <= v < 65536:
@@ -75,6 +87,8 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
+                         max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,
+                         queue_timeout_s=a.queue_timeout_s,
                          api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",")
                                             if k.strip()))
 

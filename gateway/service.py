@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from crossdraft.errors import ResourceExhausted
 from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
 
 from .core import OPTION_FIELDS, Gateway, check_api_key
@@ -43,10 +44,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         prompt = request.prompt if (request.prompt or not messages) else None
         try:
+            self.gw.admission.enter()
             job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
-                                options=options_from_proto(request.options), api="grpc")
-        except Exception:
-            self.gw.metrics.requests.labels("grpc", "rejected").inc()  # as REST counts its rejections
+                                options=options_from_proto(request.options), api="grpc",
+                                stop=list(request.stop) or None, admitted=True)
+        except Exception as e:
+            # as REST counts its rejections
+            self.gw.metrics.requests.labels("grpc", "overloaded" if isinstance(e, ResourceExhausted)
+                                            else "rejected").inc()
             raise
         return self._stream(job)
 

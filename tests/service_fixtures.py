@@ -116,11 +116,12 @@ def model_server(kind: str, model: str, log_dir: Path, port: int | None = None, 
 
 
 def gateway(verifier: str, drafter: str | None, redis_url: str, log_dir: Path, *, drafter_timeout_s: float = 10,
-            env: dict | None = None) -> tuple[Proc, str, str]:
+            env: dict | None = None, extra: list[str] | None = None) -> tuple[Proc, str, str]:
     hp, gp = free_port(), free_port()
     args = ["gateway", "--verifier", verifier, "--redis-url", redis_url, "--host", "127.0.0.1", "--http-port", str(hp),
             "--grpc-port", str(gp), "--drafter-timeout-s", str(drafter_timeout_s), "--connect-timeout-s", "120"]
     if drafter:
         args += ["--drafter", drafter]
+    args += extra or []
     p = Proc(f"gateway-{hp}", args, log_dir, env=env).start()
     return p, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}"

@@ -47,7 +47,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return verifier_pb2.VerifyResponse(num_accepted=r.num_accepted, next_token_id=r.next_token,
                                            accepted=r.accepted, forward_ms=r.forward_s * 1e3,
                                            context=wire.expect_to_proto(r.context), batch_size=r.batch_size,
-                                           queue_wait_ms=r.queue_wait_s * 1e3)
+                                           queue_wait_ms=r.queue_wait_s * 1e3,
+                                           active_sessions=r.active_sessions)
 
     def EndVerifierSession(self, request, context):
         return verifier_pb2.EndVerifierSessionResponse(existed=self.state.get().end(request.session_id))

@@ -335,3 +335,26 @@ def test_a_stalled_draft_stream_does_not_block_other_sessions_batches(drafter, t
     finally:
         d.scheduler.close()
         v.scheduler.close()
+
+
+def test_replies_report_how_many_sessions_share_the_forwards(target, tok_t):
+    """Each verification reply says how many sessions are sending blocks to this verifier lately
+    (what the draft-length policy prices drafting against); a lone session reports 1."""
+    prompts = _prompts(tok_t, 4)
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=50))
+    seen = []
+    try:
+        w.sync("alone", prompts[0])
+        assert w.verify("alone", None, [5], None, 0, GREEDY, 0).active_sessions == 1
+        w.end("alone")
+
+        def one(i):
+            def fn():
+                w.sync(f"a{i}", prompts[i])
+                seen.append(w.verify(f"a{i}", None, [5, 6], None, 0, GREEDY, 0).active_sessions)
+            return fn
+
+        _run_threads([one(i) for i in range(4)])
+    finally:
+        w.scheduler.close()
+    assert len(seen) == 4 and all(1 <= n <= 4 for n in seen) and max(seen) >= 2
