@@ -408,6 +408,7 @@ class Job:
         self._finished = False
         self._placed = False
         self.admitted = False  # holds an admission slot (given back by close())
+        self._cancel = threading.Event()
         self.sid = None
         pair = gw.pair
         merged = dict(session.options) if session else {}
@@ -490,6 +491,16 @@ class Job:
 
         return scope()
 
+    def cancel(self) -> None:
+        """The client went away (disconnect, cancelled call, deadline): stop before the next round.
+        Safe from any thread; the round in flight finishes, then the request ends, counted as
+        ``cancelled``, and a one-off request's sessions are dropped on both servers at once."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
     def events(self, ctx=None):
         """Generator of event dicts; runs the rounds. `ctx`: OTel context to run under (REST)."""
         gw = self.gw
@@ -504,6 +515,10 @@ class Job:
                 s.drafter_address = self.d_addr or ""
                 s.drafter_instance = gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""
             while True:
+                if self._cancel.is_set():
+                    status = "cancelled"
+                    self.run.close()
+                    return
                 token = otel_context.attach(ctx) if ctx is not None else None
                 try:
                     ev = next(it, None)
@@ -550,6 +565,8 @@ class Job:
             self._finish(status)
             yield done
         finally:
+            if status == "error" and self._cancel.is_set():
+                status = "cancelled"  # the consumer stopped reading us because the client went away
             self._finish(status)
 
     def _finish(self, status: str) -> None:

@@ -176,9 +176,12 @@ def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include
             d.update(extra)
         return f"data: {json.dumps(d)}\n\n"
 
+    # held here (not only by the loop), so that when the client goes away the job is marked
+    # cancelled before its generator is closed
+    events = job.events(ctx)
     try:
         first = True
-        for ev in job.events(ctx):
+        for ev in events:
             if ev["type"] == "delta":
                 if ev["text"] or first:
                     yield chunk(ev["text"], first=first)
@@ -191,10 +194,14 @@ def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                                  "choices": [], "usage": ev["usage"]}) + "\n\n"
         yield "data: [DONE]\n\n"
+    except GeneratorExit:  # the client went away (Starlette stops reading us): no more rounds
+        job.cancel()
+        raise
     except Exception as e:
         err = json.loads(error_response(e).body)
         yield f"data: {json.dumps(err)}\n\n"
     finally:
+        events.close()
         job.close()
         span.end()
 
@@ -282,16 +289,31 @@ class RestApi:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        def run_all():
+        out: dict = {}
+
+        def run_all():  # errors are kept, not raised: a task group would wrap them in an ExceptionGroup
             try:
-                return list(job.events(ctx))
+                out["events"] = list(job.events(ctx))
+            except Exception as e:
+                out["error"] = e
             finally:
                 span.end()
 
-        try:
-            events = await anyio.to_thread.run_sync(run_all)
-        except Exception as e:
-            return error_response(e)
+        async def watch_disconnect():
+            # the body is read: the next message is the disconnect, if the client leaves
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancel()  # the rounds stop after the one in flight
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect)
+            await anyio.to_thread.run_sync(run_all)
+            tg.cancel_scope.cancel()  # done: stop watching
+        if "error" in out:
+            return error_response(out["error"])
+        events = out.get("events")
+        if job.cancelled or not events or events[-1]["type"] != "done":
+            return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         return JSONResponse(_final(events[-1], rid, created, g.model_name, chat))
 
     # ---- models and vocabulary ----------------------------------------------------------------

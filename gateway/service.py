@@ -53,19 +53,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             self.gw.metrics.requests.labels("grpc", "overloaded" if isinstance(e, ResourceExhausted)
                                             else "rejected").inc()
             raise
-        return self._stream(job)
+        # a cancelled call or one past its deadline ends the request before its next round
+        context.add_callback(lambda: job.cancel() if not context.is_active() else None)
+        return self._stream(job, context)
 
-    def _stream(self, job):
+    def _stream(self, job, context=None):
+        events = job.events()  # held here: a cancelled call marks the job before its generator closes
         try:
-            for ev in job.events():
+            for ev in events:
                 if ev["type"] == "delta":
                     yield gateway_pb2.GenerateResponse(
                         delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"]))
+                    if context is not None and not context.is_active():
+                        job.cancel()
                 else:
                     yield gateway_pb2.GenerateResponse(done=gateway_pb2.GenerateDone(
                         session_id=ev["session_id"], finish_reason=ev["finish_reason"], text=ev["text"],
                         usage=gateway_pb2.Usage(**ev["usage"]), stats=stats_to_proto(ev["stats"])))
+        except GeneratorExit:  # gRPC stopped reading us: the call was cancelled or timed out
+            job.cancel()
+            raise
         finally:
+            if context is not None and not context.is_active():
+                job.cancel()
+            events.close()
             job.close()
 
     def CreateSession(self, request, context):

@@ -230,3 +230,91 @@ def test_admission_flags_are_checked(tmp_path):
         with pytest.raises(InvalidArgument) as e:
             config_from_args(a)
         assert e.value.field == field
+
+
+# ---- cancellation: a client that goes away stops its request within a round ------------------------
+
+def _counter(http, name, labels="") -> float:
+    for line in requests.get(http + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _held_sessions(stack) -> tuple[int, int]:
+    from gateway.clients import RemoteDrafter, RemoteVerifier
+
+    v, d = RemoteVerifier(stack.verifier_addr), RemoteDrafter(stack.drafter_addr)
+    try:
+        return int(v.info(refresh=True).get("active_sessions", 0)), int(d.info(refresh=True).get("active_sessions", 0))
+    finally:
+        v.channel.close()
+        d.channel.close()
+
+
+def _wait_still(http, name, settle_s=0.5, timeout_s=60.0) -> float:
+    """Wait until counter ``name`` stops moving (unchanged over settle_s); its value."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last = _counter(http, name)
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = _counter(http, name)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"{name} kept moving for {timeout_s} s")
+
+
+@pytest.mark.parametrize("how", ["rest", "sse", "grpc"])
+def test_a_client_that_goes_away_stops_its_request(stack, how):
+    """The client disconnects (REST, SSE) or cancels (gRPC) mid-generation: the rounds stop within
+    a round or so, the request is counted as cancelled (not ok, its tokens not counted as
+    generated), and its one-off sessions are dropped on both model servers at once (not left to
+    the TTL)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    http = stack.http
+    api = "grpc" if how == "grpc" else "rest"
+    held_before = _held_sessions(stack)
+    cancelled = f'{{api="{api}",status="cancelled"}}'
+    ok = f'{{api="{api}",status="ok"}}'
+    before = {k: _counter(http, "crossdraft_requests_total", k) for k in (cancelled, ok)}
+    tokens_before = _counter(http, "crossdraft_completion_tokens_total")
+    rounds_before = _counter(http, "crossdraft_rounds_total")
+
+    def started():
+        deadline = time.monotonic() + 60
+        while _counter(http, "crossdraft_rounds_total") <= rounds_before + 2:
+            assert time.monotonic() < deadline, "the request never started its rounds"
+            time.sleep(0.005)
+        return _counter(http, "crossdraft_rounds_total")
+
+    if how in ("rest", "sse"):
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 480, "stream": how == "sse"}).encode()
+        u = urlparse(http)
+        sock = socket.create_connection((u.hostname, u.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        at_close = started()
+        sock.close()
+    else:
+        with Client(stack.grpc) as c:
+            call = c.stub.Generate(c._request(PROMPT, None, None, {"max_new_tokens": 480}), timeout=60)
+            assert next(call).HasField("delta")
+            at_close = started()
+            call.cancel()
+    rounds_after = _wait_still(http, "crossdraft_rounds_total")
+    deadline = time.monotonic() + 30
+    while _counter(http, "crossdraft_requests_total", cancelled) < before[cancelled] + 1:
+        assert time.monotonic() < deadline, "the request was not counted as cancelled"
+        time.sleep(0.05)
+    # a 480-token request takes far more rounds than this; the ones after the disconnect are the
+    # round in flight plus the few between reading the counter and closing the connection
+    assert rounds_after - at_close <= 25, (rounds_after, at_close)
+    assert _counter(http, "crossdraft_requests_total", ok) == before[ok]
+    assert _counter(http, "crossdraft_completion_tokens_total") == tokens_before
+    assert _held_sessions(stack) == held_before  # its sessions were dropped on both servers

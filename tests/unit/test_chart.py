@@ -207,6 +207,7 @@ def test_crd_kinds_only_when_enabled(render):
     "drafter.gpu.count=-1",
     "gateway.ports.http=70000",
     "otel.endpoint=collector:4317",
+    "gateway.admission.maxConcurrentRequests=0",
 ])
 def test_schema_rejects_bad_values(helm, bad_set):
     for cmd in (["template", RELEASE], ["lint"]):
@@ -371,6 +372,9 @@ def test_model_choice_comes_from_configmap(render):
     gcm = find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]
     assert {"CROSSDRAFT_DEFAULT_TEMPERATURE", "CROSSDRAFT_DEFAULT_MAX_NEW_TOKENS", "CROSSDRAFT_DRAFTER_TIMEOUT_S",
             "CROSSDRAFT_SESSION_TTL_S", "CROSSDRAFT_MAX_NEW_TOKENS_LIMIT"} <= set(gcm)
+    # admission control reaches the gateway's flags (--max-concurrent-requests & co.)
+    assert (gcm["CROSSDRAFT_MAX_CONCURRENT_REQUESTS"], gcm["CROSSDRAFT_MAX_QUEUED_REQUESTS"],
+            gcm["CROSSDRAFT_QUEUE_TIMEOUT_S"]) == ("256", "256", "30")
 
 
 # -------------------------------------------------------------------------------- RBAC and service accounts
