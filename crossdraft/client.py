@@ -31,6 +31,8 @@ class Completion:
     session_id: str
     usage: dict
     stats: dict = field(default_factory=dict)
+    # with top_logprobs: per token, (log-probability, top ids, their log-probabilities)
+    logprobs: list | None = None
 
 
 def _opts(kw: dict) -> gateway_pb2.GenerationOptions:
@@ -61,8 +63,11 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def _request(self, prompt, messages, session_id, options, stop=None) -> gateway_pb2.GenerateRequest:
+    def _request(self, prompt, messages, session_id, options, stop=None,
+                 top_logprobs=None) -> gateway_pb2.GenerateRequest:
         req = gateway_pb2.GenerateRequest(session_id=session_id or "", options=_opts(options))
+        if top_logprobs is not None:
+            req.top_logprobs = top_logprobs
         req.stop.extend([stop] if isinstance(stop, str) else (stop or []))
         if prompt is not None:
             req.prompt = prompt
@@ -71,10 +76,11 @@ class Client:
         return req
 
     def events(self, prompt: str | None = None, *, messages: list[dict] | None = None, session_id: str | None = None,
-               stop: str | list[str] | None = None, **options):
+               stop: str | list[str] | None = None, top_logprobs: int | None = None, **options):
         """Raw GenerateResponse messages (text deltas, then one done). ``stop``: up to 4 strings
-        that end the completion (not included in it)."""
-        yield from self.stub.Generate(self._request(prompt, messages, session_id, options, stop),
+        that end the completion (not included in it); ``top_logprobs`` (0-20): each delta carries
+        its tokens' log-probabilities and that many alternatives."""
+        yield from self.stub.Generate(self._request(prompt, messages, session_id, options, stop, top_logprobs),
                                       timeout=self.timeout_s)
 
     def stream(self, prompt: str | None = None, **kw):
@@ -85,13 +91,15 @@ class Client:
 
     def generate(self, prompt: str | None = None, **kw) -> Completion:
         ids: list[int] = []
+        lps: list = []
         for m in self.events(prompt, **kw):
             if m.HasField("delta"):
                 ids.extend(m.delta.token_ids)
+                lps.extend((x.logprob, list(x.top_ids), list(x.top_logprobs)) for x in m.delta.logprobs)
             else:
                 d = m.done
                 return Completion(d.text, ids, d.finish_reason, d.session_id, _msg_to_dict(d.usage),
-                                  _msg_to_dict(d.stats))
+                                  _msg_to_dict(d.stats), lps if kw.get("top_logprobs") is not None else None)
         raise RuntimeError("the stream ended without a final message")
 
     def create_session(self, session_id: str | None = None, **options) -> str:

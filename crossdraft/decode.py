@@ -95,6 +95,7 @@ class GenerationResult:
     # a stop string ended the output: the stop string and whatever followed it in the same token
     # (not part of ``text``, but part of what ``token_ids`` spell)
     stop_tail: str = ""
+    logprobs: list | None = None  # per token of token_ids, when asked for (see RoundEvent.logprobs)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
@@ -118,6 +119,8 @@ class RoundEvent:
     drafter_ids: list[int] | None = field(repr=False, default=None)
     batch_size: int = 1  # sessions in the verifier's batched forward that verified this block
     queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
+    # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
+    logprobs: list | None = field(repr=False, default=None)
 
 
 class Run:
@@ -182,6 +185,8 @@ class _Request:
     stop: tuple[bytes, ...] = ()  # stop strings (UTF-8)
     fed: int = 0  # gen_bytes[:fed] went out as text (the rest may still turn into a stop string)
     cut: int | None = None  # a stop string starts at gen_bytes[cut]
+    top_logprobs: int = -1  # -1: no log-probabilities; n: each token's and the n best
+    logprobs: list = field(default_factory=list)
     k: int = 0
     first: bool = True
     prev_drafted: bool = False
@@ -215,6 +220,10 @@ class Decoder:
         self.drafter_timeout_s = drafter_timeout_s
         self._mask_sent: set[str] = set()
         self._ratio: dict[tuple, tuple] = {}
+        # sessions sharing the verifier's forwards, as the latest round saw it: a new request's
+        # policy starts from it instead of from "alone" (its first rounds would price drafting
+        # for an idle server)
+        self._load = 1.0
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -246,12 +255,13 @@ class Decoder:
         c, vt, step_s, dt = self._ratio[key]
         return DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt), step_s
 
-    def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed):
+    def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed, top_logprobs=-1):
+        kw = {"top_logprobs": top_logprobs} if top_logprobs >= 0 else {}  # ports without it still work
         try:
-            return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed)
+            return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed, **kw)
         except (NotFound, FailedPrecondition):
             self.verifier.sync(sid, t_ids)  # the verifier lost or diverged from the session: rebuild
-            return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed)
+            return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed, **kw)
 
     def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
@@ -271,12 +281,15 @@ class Decoder:
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, sid: str, target_ids: list[int], drafter_ids: list[int] | None, *, max_new_tokens: int,
             params: SamplingParams, seed: int, draft: DraftConfig, round_start: int = 0,
-            use_drafter: bool = True, round_scope=None, stop=()) -> Run:
+            use_drafter: bool = True, round_scope=None, stop=(), top_logprobs: int = -1) -> Run:
         """Validate and return the round iterator (its first step syncs both servers).
 
         stop: up to 4 strings; the output ends before the first one generated (finish_reason
         "stop"), matched on the generated text across token boundaries. Text that could still
         become a stop string is held back from the rounds' ``text`` until it cannot.
+        top_logprobs: -1 = none; n in 0..20 = every generated token's log-probability under the
+        target (after the request's logits processing) and the n most likely alternatives, exact
+        whether the token was an accepted draft, a resample or the bonus token.
 
         round_scope: optional callable round_index -> context manager yielding record(RoundEvent);
         each round's port calls run inside it (the gateway opens the round's trace span there).
@@ -294,9 +307,10 @@ class Decoder:
         if spec and draft.mode == "text" and not params.greedy:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
         stops = check_stop(stop)
+        check_int("top_logprobs", top_logprobs, -1, 20)
         req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, Stats(prompt_tokens=len(target_ids)),
                        spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None,
-                       stop=tuple(x.encode("utf-8") for x in stops))
+                       stop=tuple(x.encode("utf-8") for x in stops), top_logprobs=top_logprobs)
         run = Run(None)
         run._gen = self._rounds(run, req, round_start, round_scope)
         return run
@@ -322,6 +336,10 @@ class Decoder:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
         req.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         req.k = req.draft.num_draft_tokens
+        if req.spec and req.policy.measured:
+            req.policy.batch = self._load
+            if not req.policy.pays():
+                req.k = 0  # drafting does not pay at this load: start target-only (the policy probes later)
 
     def _rounds(self, run: Run, req: _Request, round_index: int, round_scope):
         t_start = time.perf_counter()
@@ -347,7 +365,8 @@ class Decoder:
                 cut = len(req.gen_bytes) if req.cut is None else req.cut
                 text = bytes(req.gen_bytes[:cut]).decode("utf-8", errors="replace")
                 tail = bytes(req.gen_bytes[cut:]).decode("utf-8", errors="replace")
-                run.result = GenerationResult(text, req.gen, req.stats, stop_tail=tail)
+                run.result = GenerationResult(text, req.gen, req.stats, stop_tail=tail,
+                                              logprobs=req.logprobs if req.top_logprobs >= 0 else None)
             yield ev
             if ev.done:
                 return
@@ -361,7 +380,8 @@ class Decoder:
         drafted = self._draft_step(req, kk, remaining, round_index)
         draft_wall = time.perf_counter() - t_round
         t_verify = time.perf_counter()
-        res = self._verify(req.sid, req.t_ids, drafted.target_ids, drafted.q_rows, round_index, req.params, req.seed)
+        res = self._verify(req.sid, req.t_ids, drafted.target_ids, drafted.q_rows, round_index, req.params, req.seed,
+                           req.top_logprobs)
         verify_wall = time.perf_counter() - t_verify
         kd, n = len(drafted.target_ids), res.num_accepted
         if req.first:
@@ -371,7 +391,9 @@ class Decoder:
             if req.spec:
                 req.policy.observe(kd, n)
                 # how many sessions share the verifier's forwards (its recent senders; else this batch's rows)
-                req.policy.observe_batch(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1)
+                load = getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1
+                req.policy.observe_batch(load)
+                self._load = req.policy.batch
                 # wall-clock corrections (measured costs only); a probe after skipped
                 # rounds also feeds the drafter what it missed, so its time says little
                 req.policy.observe_time(len(drafted.tokens) if req.prev_drafted else 0, draft_wall, kd + 1, verify_wall,
@@ -382,6 +404,10 @@ class Decoder:
         if req.spec and kd == 0 and remaining > 1:
             stats.skipped_rounds += 1
         out, text, done = self._emit(req, list(drafted.target_ids[:n]) + [res.next_token])
+        lps = None
+        if req.top_logprobs >= 0:
+            lps = list(getattr(res, "logprobs", None) or [])[: len(out)]
+            req.logprobs.extend(lps)
         if done and req.d is not None:
             req.d.edit(req.d.prompt_len, self._encode_drafter_bytes(bytes(req.gen_bytes)))
         if not done and req.spec:
@@ -391,7 +417,7 @@ class Decoder:
         stats.overhead_s += overhead
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
-                          queue_wait_s=getattr(res, "queue_wait_s", 0.0))
+                          queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps)
 
     def _draft_step(self, req: _Request, kk: int, remaining: int, round_index: int) -> _Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

@@ -85,8 +85,10 @@ class Engine:
         draft: DraftConfig | None = None,
         use_drafter: bool = True,
         stop: str | list[str] | None = None,
+        top_logprobs: int = -1,
     ) -> GenerationResult:
-        """Generate after ``prompt`` (or ``prompt_ids``); ``stop``: up to 4 strings that end the output."""
+        """Generate after ``prompt`` (or ``prompt_ids``); ``stop``: up to 4 strings that end the output;
+        ``top_logprobs`` >= 0: each token's log-probability and that many alternatives (result.logprobs)."""
         if prompt_ids is None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidArgument("prompt", "must be a non-empty string")
@@ -106,7 +108,7 @@ class Engine:
         try:
             run = self.decoder.run(sid, list(prompt_ids), d_ids, max_new_tokens=max_new_tokens,
                                    params=params or SamplingParams(), seed=seed, draft=draft or DraftConfig(),
-                                   use_drafter=use_drafter, stop=stop)
+                                   use_drafter=use_drafter, stop=stop, top_logprobs=top_logprobs)
             for _ in run:
                 pass
             return run.result

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from .errors import InvalidArgument, Unavailable
@@ -169,6 +170,10 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
 
     def load():
         try:
+            # fault injection for tests: a slow model load (the port is open, health NOT_SERVING)
+            delay = float(os.environ.get("CROSSDRAFT_FAULT_LOAD_DELAY_S", "0") or 0)
+            if delay > 0:
+                time.sleep(delay)
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
             loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)

@@ -162,6 +162,14 @@ class DraftPolicy:
         # against b tokens for v(b) (target-only); b = 1 is one session alone
         return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * self.c * self.scale_d * self.dcost(b))
 
+    def pays(self) -> bool:
+        """Whether some block size is expected to beat target-only now (no state changes)."""
+        cfg = self.cfg
+        if not cfg.adaptive or not cfg.allow_skip:
+            return True
+        best = max(self.rate(k) for k in range(cfg.min_draft_tokens, self.hi + 1))
+        return best >= (self.margin if self.measured else 1.0)
+
     def next_k(self) -> int:
         cfg = self.cfg
         if not cfg.adaptive:

@@ -49,9 +49,10 @@ class ModelPort(Protocol):
 @runtime_checkable
 class VerifierPort(ModelPort, Protocol):
     def verify(self, sid: str, expect: "Expect | None", drafts: Sequence[int], q_rows: "Sequence[QRow] | None",
-               round_index: int, params: "SamplingParams", seed: int) -> "VerifyReply":
+               round_index: int, params: "SamplingParams", seed: int, top_logprobs: int = -1) -> "VerifyReply":
         """One forward over the uncached tail + drafts; lossless acceptance; the cache keeps the
-        accepted prefix. q_rows: one drafter distribution per draft (sampling), else None."""
+        accepted prefix. q_rows: one drafter distribution per draft (sampling), else None.
+        top_logprobs >= 0: the reply carries each emitted token's log-probability and the n best."""
 
 
 @runtime_checkable

@@ -233,6 +233,30 @@ class VerifyResult:
     outcome: VerifyOutcome
     emitted: list[int]  # accepted drafts + the target's own token
     forward_s: float
+    # per emitted token, when asked for: (its log-probability, top ids, their log-probabilities)
+    logprobs: list | None = None
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(processed: torch.Tensor, emitted: list[int], top: int) -> list:
+    """The target's log-probabilities at each emitted position, from the processed logits rows
+    ([len(emitted), V]: temperature, top-k/top-p, repetition penalty applied; greedy: the logits
+    as they are): (the emitted token's, the ``top`` best ids, theirs). Tokens a top-k/top-p filter
+    removed have log-probability -inf and are never listed among the best."""
+    lp = torch.log_softmax(processed[: len(emitted)].double(), dim=-1)
+    out = []
+    if top > 0:
+        vals, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    for i, tok in enumerate(emitted):
+        if top > 0:
+            keep = torch.isfinite(vals[i])
+            tops = (ids[i][keep].tolist(), vals[i][keep].tolist())
+        else:
+            tops = ([], [])
+        out.append((float(lp[i, tok]), *tops))
+    return out
 
 
 def dense_q(q_rows, k: int, vocab: int) -> torch.Tensor:
@@ -258,8 +282,11 @@ def dense_q(q_rows, k: int, vocab: int) -> torch.Tensor:
 class TargetSession(_ModelSession):
     """The target side of a round: one forward pass per block, lossless acceptance."""
 
-    def verify(self, drafts: list[int], q_rows, round_index: int, params: SamplingParams, seed: int) -> VerifyResult:
-        """drafts: [k] target ids; q_rows: k sparse rows over target ids (None if greedy or k = 0)."""
+    def verify(self, drafts: list[int], q_rows, round_index: int, params: SamplingParams, seed: int,
+               top_logprobs: int = -1) -> VerifyResult:
+        """drafts: [k] target ids; q_rows: k sparse rows over target ids (None if greedy or k = 0).
+
+        top_logprobs: -1 = no log-probabilities; n >= 0 = each emitted token's and the n best."""
         t0 = time.perf_counter()
         k = len(drafts)
         base = len(self.ids)
@@ -288,10 +315,11 @@ class TargetSession(_ModelSession):
                 raise
             outcome = S.verify_sampling(p, qd, drafts, seed, round_index)
         emitted = list(drafts[: outcome.num_accepted]) + [outcome.next_token]
+        lps = token_logprobs(processed, emitted, top_logprobs) if top_logprobs >= 0 else None
         self.ids.extend(emitted)
         # cache now holds base-1 + ... + all k drafts; keep the accepted prefix only
         self.truncate_cache(base + outcome.num_accepted)
-        return VerifyResult(outcome, emitted, time.perf_counter() - t0)
+        return VerifyResult(outcome, emitted, time.perf_counter() - t0, lps)
 
 
 # Drafter distributions are truncated to their head before sampling: the smallest set of most

@@ -972,14 +972,25 @@ def vocab_report(
 # --------------------------------------------------------------------------------------------
 
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
+def has_chat_template(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+def chat_text(tok, messages: list[dict], model: str = "the model") -> str:
+    """`messages` rendered with the tokenizer's chat template (+ generation prompt).
+
+    ``model`` names the model in the error (never the tokenizer's path: that is a server detail)."""
     from .errors import InvalidArgument
 
-    if not getattr(tok, "chat_template", None):
-        raise InvalidArgument("messages", f"{getattr(tok, 'name_or_path', 'model')} has no chat template")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    if not has_chat_template(tok):
+        raise InvalidArgument("messages", f"{model} has no chat template: send the conversation as text (a "
+                                          "prompt to /v1/completions, or GenerateRequest.prompt)")
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def chat_ids(tok, messages: list[dict], model: str = "the model") -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template (+ generation prompt)."""
+    return list(tok(chat_text(tok, messages, model), add_special_tokens=False)["input_ids"])
 
 
 class TokenPair:
@@ -1029,10 +1040,17 @@ class TokenPair:
     def encode_drafter(self, text: str) -> list[int]:
         return list(self.drafter_tok(text, add_special_tokens=True)["input_ids"])
 
-    def chat_ids(self, messages: list[dict]) -> tuple[list[int], list[int] | None]:
-        t = chat_ids(self.target_tok, messages)
-        d = chat_ids(self.drafter_tok, messages) if self.drafter_tok is not None else None
-        return t, d
+    def chat_ids(self, messages: list[dict],
+                 target_name: str = "the target model") -> tuple[list[int], list[int] | None]:
+        """Both models' ids of a conversation, each in its own chat template. A drafter without a
+        template drafts over the target's rendering (the text the target sees)."""
+        text = chat_text(self.target_tok, messages, target_name)
+        t = list(self.target_tok(text, add_special_tokens=False)["input_ids"])
+        if self.drafter_tok is None:
+            return t, None
+        if has_chat_template(self.drafter_tok):
+            return t, chat_ids(self.drafter_tok, messages)
+        return t, self.encode_drafter(text)
 
     def target_text_bytes(self, ids) -> bytes:
         """The bytes of target ids (special tokens stand for none): :func:`decode_bytes`."""

@@ -336,6 +336,7 @@ class VerifyReply:
     batch_size: int = 1  # sessions in the batched forward that verified this block
     queue_wait_s: float = 0.0  # time the block waited for its batch to start
     active_sessions: int = 1  # sessions sending blocks to this verifier lately (batched servers)
+    logprobs: list | None = None  # per emitted token (accepted drafts, then next_token), when asked for
 
 
 class VerifierWorker(_Worker):
@@ -347,20 +348,26 @@ class VerifierWorker(_Worker):
         return TargetSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
     def verify(self, sid: str, expect: Expect | None, drafts, q_rows, round_index: int, params: SamplingParams,
-               seed: int) -> VerifyReply:
+               seed: int, top_logprobs: int = -1) -> VerifyReply:
         drafts = _check_ids("draft_token_ids", drafts, self.vocab)
         if round_index < 0:
             raise InvalidArgument("round_index", "must be >= 0")
+        from .sessions import MAX_TOP_LOGPROBS
+
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
+                not -1 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (or -1: none), "
+                                                  f"got {top_logprobs!r}")
         with self._using(sid) as (sess, _):
             self._check(sess, expect, "verify")
             self._check_len(len(sess.ids) + len(drafts) + 1)
-            res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed)
+            res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed, top_logprobs)
             o = res.outcome
             last = getattr(sess.kv, "last", None)
             return VerifyReply(o.num_accepted, o.next_token, list(o.accepted), res.forward_s, Expect.of(sess.ids),
                                batch_size=last.batch_rows if last else 1,
                                queue_wait_s=last.queue_wait_s if last else 0.0,
-                               active_sessions=last.active_sessions if last else 1)
+                               active_sessions=last.active_sessions if last else 1, logprobs=res.logprobs)
 
 
 class DrafterWorker(_Worker):

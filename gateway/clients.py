@@ -111,10 +111,12 @@ class RemoteVerifier(_Remote):
                        verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids))
         return r.reused_tokens, wire.expect_from_proto(r.context)
 
-    def verify(self, sid, expect, drafts, q_rows, round_index, params, seed) -> VerifyReply:
+    def verify(self, sid, expect, drafts, q_rows, round_index, params, seed, top_logprobs: int = -1) -> VerifyReply:
         """Verify the drafts on the verifier (one forward, lossless acceptance); see VerifierPort.verify."""
         req = verifier_pb2.VerifyRequest(session_id=sid, draft_token_ids=drafts, round_index=round_index,
                                          params=wire.params_to_proto(params), seed=seed)
+        if top_logprobs >= 0:
+            req.top_logprobs = top_logprobs
         if expect is not None:
             req.expect.CopyFrom(wire.expect_to_proto(expect))
         if q_rows:
@@ -123,7 +125,9 @@ class RemoteVerifier(_Remote):
         r = self._call("Verify", self.stub.Verify, req)
         return VerifyReply(r.num_accepted, r.next_token_id, list(r.accepted), r.forward_ms / 1e3,
                            wire.expect_from_proto(r.context), batch_size=r.batch_size or 1,
-                           queue_wait_s=r.queue_wait_ms / 1e3, active_sessions=r.active_sessions or r.batch_size or 1)
+                           queue_wait_s=r.queue_wait_ms / 1e3, active_sessions=r.active_sessions or r.batch_size or 1,
+                           logprobs=[(x.logprob, list(x.top_ids), list(x.top_logprobs)) for x in r.logprobs]
+                           if top_logprobs >= 0 else None)
 
     def end(self, sid) -> bool:
         """Drop session `sid` on the verifier; whether it existed."""

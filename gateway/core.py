@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crossdraft.decode import Decoder, check_stop
 from crossdraft.errors import (
-    CrossdraftError,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -63,6 +63,7 @@ class GatewayConfig:
     default_num_draft_tokens: int = 4  # initial block size
     # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
     api_keys: frozenset = frozenset()
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
     max_concurrent_requests: int = 256  # generations running at once; more wait in the queue
     max_queued_requests: int = 256  # generations waiting for a slot; more are refused (429 / RESOURCE_EXHAUSTED)
     queue_timeout_s: float = 30.0  # a queued generation that gets no slot in this long is refused
@@ -229,7 +230,30 @@ class Admission:
     def leave(self) -> None:
         with self._cv:
             self.active -= 1
-            self._cv.notify()
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation runs or waits (a drain); whether that happened in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self.active or self.waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.2))
+        return True
+
+
+def key_owner(cfg: GatewayConfig, authorization: str | None) -> str:
+    """Who owns the sessions a caller creates: a hash of its API key ("" with keys off). Redis
+    stores this, never the key."""
+    if not cfg.api_keys:
+        return ""
+    import hashlib
+
+    token = (authorization or "").strip()
+    token = token[7:].strip() if token[:7].lower() == "bearer " else ""
+    return hashlib.sha256(b"crossdraft-session-owner\0" + token.encode("utf-8", "replace")).hexdigest()
 
 
 class Metrics:
@@ -309,6 +333,8 @@ class Gateway:
         self.metrics.queued.set_function(lambda: self.admission.waiting)
         self._decoders: dict[tuple, Decoder] = {}
         self._lock = threading.Lock()
+        self._ready_cache: tuple | None = None
+        self.draining = False  # SIGTERM: not ready, no new generations; in-flight ones finish
         v = placement.any_client("verifier")
         self.model_name = v.info().get("model_name", "target") if v is not None else "target"
         d = placement.any_client("drafter")
@@ -327,6 +353,47 @@ class Gateway:
                                                     check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s)
             return dec
 
+    # ---- readiness ---------------------------------------------------------------------------
+    def readiness(self, max_age_s: float = 1.0) -> tuple[bool, dict]:
+        """(ready, details): Redis answers and every verifier this gateway routes to reports SERVING
+        on its gRPC health service (its model is loaded), not merely a connection that opens.
+        Drafters are reported but do not gate readiness: without one the gateway serves
+        target-only. Cached for ``max_age_s`` (probes and /readyz stay cheap)."""
+        if self.draining:
+            return False, {"draining": True}
+        now = time.monotonic()
+        with self._lock:
+            cached = self._ready_cache
+        if cached is not None and now - cached[0] < max_age_s:
+            return cached[1], cached[2]
+        details: dict = {"redis": "ok" if self.store.ping() else "unreachable"}
+        ok = details["redis"] == "ok"
+        for kind in ("verifier", "drafter"):
+            pool = self.placement.pools[kind]
+            if pool is None:
+                continue
+            states = {addr: self._health(kind, addr) for addr in pool.addresses()}
+            details[kind + "s"] = states
+            if kind == "verifier" and (not states or any(s != "SERVING" for s in states.values())):
+                ok = False
+        with self._lock:
+            self._ready_cache = (time.monotonic(), ok, details)
+        return ok, details
+
+    def _health(self, kind: str, addr: str) -> str:
+        """A model server's gRPC health status ("SERVING", "NOT_SERVING", or why it did not answer)."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            stub = health_pb2_grpc.HealthStub(self.placement.client(kind, addr).channel)
+            r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError as e:
+            return f"unreachable ({e.code().name})"
+        except Exception as e:  # noqa: BLE001 - a probe answers, never raises
+            return f"unreachable ({type(e).__name__})"
+
     def end_on_servers(self, sid: str, v_addr: str | None, d_addr: str | None) -> None:
         for kind, addr in (("verifier", v_addr), ("drafter", d_addr)):
             if addr:
@@ -334,18 +401,22 @@ class Gateway:
                     self.placement.client(kind, addr).end(sid)
 
     # ---- sessions ----------------------------------------------------------------------------
-    def create_session(self, options: dict, session_id: str | None = None, names=None) -> Session:
+    def create_session(self, options: dict, session_id: str | None = None, names=None, owner: str = "") -> Session:
+        """owner: :func:`key_owner` of the caller's API key ("" with keys off)."""
         opts = validate_options(options, self.cfg, names)
         opts.setdefault("seed", random.getrandbits(62))
-        return self.store.create(opts, session_id)
+        return self.store.create(opts, session_id, owner)
 
-    def get_session(self, sid: str) -> Session:
-        return self.store.get(sid)
+    def get_session(self, sid: str, owner: str = "") -> Session:
+        return self.store.get(sid, owner)
 
-    def delete_session(self, sid: str) -> bool:
+    def delete_session(self, sid: str, owner: str = "") -> bool:
+        check_session_id(sid)  # a malformed id is INVALID_ARGUMENT, not "no such session"
         s = None
-        with contextlib.suppress(CrossdraftError):
-            s = self.store.get(sid)
+        with contextlib.suppress(NotFound):
+            s = self.store.get(sid, owner)
+        if s is None:
+            return False  # none, or another key's (which stays)
         existed = self.store.delete(sid)
         if s is not None:
             self.end_on_servers(sid, s.verifier_address, s.drafter_address)
@@ -353,13 +424,16 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
-              api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False) -> "Job":
+              api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False,
+              owner: str = "", top_logprobs: int = -1) -> "Job":
         """Validate and prepare a request (errors raise here, before any output).
 
         admitted: the caller holds an admission slot (:attr:`admission`); the job gives it back
         when it ends -- or start() does, if it raises."""
         try:
-            job = self._start(session_id, prompt, messages, options, api, names, stop)
+            if self.draining:
+                raise Unavailable("the gateway is shutting down; retry on another replica")
+            job = self._start(session_id, prompt, messages, options, api, names, stop, owner, top_logprobs)
         except BaseException:
             if admitted:
                 self.admission.leave()
@@ -367,7 +441,7 @@ class Gateway:
         job.admitted = admitted
         return job
 
-    def _start(self, session_id, prompt, messages, options, api, names, stop) -> "Job":
+    def _start(self, session_id, prompt, messages, options, api, names, stop, owner, top_logprobs) -> "Job":
         names = names or {}
         if session_id:
             check_session_id(session_id)
@@ -387,13 +461,14 @@ class Gateway:
                                       f"are longer than {self.cfg.max_prompt_chars} characters")
         opts = validate_options(options, self.cfg, names)
         stop = check_stop(stop)
+        top_logprobs = check_int(names.get("top_logprobs", "top_logprobs"), top_logprobs, -1, 20)
         session = None
         lease = None
         if session_id:
-            session = self.store.get(session_id)
+            session = self.store.get(session_id, owner)
             lease = self.store.acquire(session_id)
         try:
-            return Job(self, session, lease, prompt, messages, opts, api, names, stop)
+            return Job(self, session, lease, prompt, messages, opts, api, names, stop, top_logprobs)
         except BaseException:
             if lease:
                 self.store.release(session_id, lease)
@@ -403,7 +478,8 @@ class Gateway:
 class Job:
     """One prepared request; iterate :meth:`events` for {"type": "delta" | "done", ...} dicts."""
 
-    def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names, stop=()):
+    def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names, stop=(),
+                 top_logprobs: int = -1):
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
         self._finished = False
         self._placed = False
@@ -443,7 +519,7 @@ class Job:
         has_d = pair.drafter_tok is not None
         if kind == "chat":
             self.messages = (session.messages if session else []) + messages
-            t_ids, d_ids = pair.chat_ids(self.messages)
+            t_ids, d_ids = pair.chat_ids(self.messages, gw.model_name)
         elif session is not None and session.target_ids:
             t_ids = session.target_ids + list(pair.target_tok(prompt, add_special_tokens=False)["input_ids"])
             d_ids = (session.drafter_ids + list(pair.drafter_tok(prompt, add_special_tokens=False)["input_ids"])
@@ -461,7 +537,7 @@ class Job:
         self.run = gw.decoder(self.v_addr, self.d_addr).run(
             self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
             draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
-            round_scope=self._round_scope, stop=stop)
+            round_scope=self._round_scope, stop=stop, top_logprobs=top_logprobs)
         self.prompt_tokens = len(t_ids)
         pl.acquire("verifier", self.v_addr)
         pl.acquire("drafter", self.d_addr)
@@ -535,7 +611,7 @@ class Job:
                     if not ev.done:
                         gw.store.save(s)  # one SET per round: a crash leaves the last whole round
                 if ev.text or ev.emitted:
-                    yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted)}
+                    yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted), "logprobs": ev.logprobs}
             res = self.run.result
             if self.no_drafter_reason and not res.stats.drafter_fallback:
                 res.stats.drafter_fallback, res.stats.fallback_reason = True, self.no_drafter_reason
@@ -560,7 +636,7 @@ class Job:
                     "finish_reason": res.stats.finish_reason, "text": res.text,
                     "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(res.token_ids),
                               "total_tokens": self.prompt_tokens + len(res.token_ids)},
-                    "stats": st}
+                    "stats": st, "token_ids": list(res.token_ids), "logprobs": res.logprobs}
             # release the session before the client sees the end: its next request may follow at once
             self._finish(status)
             yield done
@@ -593,5 +669,5 @@ class Job:
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
-__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "check_utf8",
+__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "check_utf8", "key_owner",
            "validate_messages", "validate_options"]

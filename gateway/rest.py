@@ -24,9 +24,10 @@ from crossdraft.errors import (
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
+    check_int,
 )
 
-from .core import OPTION_FIELDS, check_api_key, check_utf8, validate_messages
+from .core import OPTION_FIELDS, check_api_key, check_utf8, key_owner, validate_messages
 
 MAX_BODY_BYTES = 4 << 20
 MAX_DETOKENIZE = 1 << 20  # token ids per /detokenize call
@@ -37,8 +38,8 @@ REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_ne
                 "num_draft_tokens": "num_draft_tokens", "adaptive_draft": "adaptive_draft",
                 "use_drafter": "use_drafter"}
 # accepted for compatibility; only their neutral values are allowed
-NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None, 0),
-           "echo": (False,), "best_of": (1,), "user": None, "model": None,
+NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+           "best_of": (1,), "user": None, "model": None,
            "suffix": (None, "")}
 
 
@@ -100,7 +101,7 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     for k, v in data.items():
         if k in REST_OPTIONS:
             _take_option(opts, k, v)
-        elif k in (input_field, "stream", "session_id", "stop", "stream_options"):
+        elif k in (input_field, "stream", "session_id", "stop", "stream_options", "echo", "logprobs", "top_logprobs"):
             extra[k] = v
         elif k in NEUTRAL:
             allowed = NEUTRAL[k]
@@ -113,6 +114,12 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     sid = extra.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise InvalidArgument("session_id", "must be a string")
+    extra["top"] = _top_logprobs(extra, chat=input_field == "messages")
+    if "echo" in extra:
+        if not isinstance(extra["echo"], bool):
+            raise InvalidArgument("echo", "must be a boolean")
+        if extra["echo"] and input_field == "messages":
+            raise InvalidArgument("echo", "is for /v1/completions only")
     so = extra.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -125,6 +132,58 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
         if not extra.get("stream"):
             raise InvalidArgument("stream_options", "is only allowed with stream: true")
     return opts, extra
+
+
+def _top_logprobs(extra: dict, chat: bool) -> int:
+    """-1 (no log-probabilities) or how many alternatives per token: completions take
+    ``logprobs: N`` (0-20), chat ``logprobs: true`` with ``top_logprobs: N``."""
+    lp, top = extra.get("logprobs"), extra.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise InvalidArgument("logprobs", "must be a boolean (chat); use top_logprobs for how many alternatives")
+        if top is not None:
+            if not lp:
+                raise InvalidArgument("top_logprobs", "needs logprobs: true")
+            return check_int("top_logprobs", top, 0, 20)
+        return 0 if lp else -1
+    if top is not None:
+        raise InvalidArgument("top_logprobs", "is for chat; completions take logprobs: N")
+    if lp is None or lp is False:
+        return -1
+    return check_int("logprobs", lp, 0, 20)
+
+
+def _token_text(pair, tid: int) -> tuple[str, list[int]]:
+    b = pair.target_text_bytes([tid])
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def _logprobs_json(pair, token_ids, lps, chat: bool, offset: int = 0):
+    """OpenAI's logprobs object for these tokens (None when none were asked for)."""
+    if lps is None:
+        return None
+    if chat:
+        content = []
+        for tid, (lp, ids, vals) in zip(token_ids, lps, strict=False):
+            tok, raw = _token_text(pair, tid)
+            tops = []
+            for i, v in zip(ids, vals, strict=False):
+                t, r = _token_text(pair, i)
+                tops.append({"token": t, "logprob": v, "bytes": r})
+            content.append({"token": tok, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+        return {"content": content}
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, (lp, ids, vals) in zip(token_ids, lps, strict=False):
+        tok, _ = _token_text(pair, tid)
+        tokens.append(tok)
+        token_lps.append(lp)
+        best: dict = {}
+        for i, v in zip(ids, vals, strict=False):  # best first: ids with the same text keep the best
+            best.setdefault(_token_text(pair, i)[0], v)
+        tops.append(best)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 NAMES = {v: k for k, v in REST_OPTIONS.items() if k != "max_completion_tokens"}
@@ -143,19 +202,22 @@ def _session_json(s) -> dict:
             "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
 
 
-def _final(done: dict, rid: str, created: int, model: str, chat: bool) -> dict:
+def _final(done: dict, rid: str, created: int, model: str, chat: bool, pair=None) -> dict:
     """The whole (non-streamed) completion in the OpenAI response shape."""
+    lps = _logprobs_json(pair, done.get("token_ids", []), done.get("logprobs"), chat) if pair is not None else None
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
                   "finish_reason": done["finish_reason"]}
+        if lps is not None:
+            choice["logprobs"] = lps
     else:
-        choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"], "logprobs": None}
+        choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"], "logprobs": lps}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": done["usage"], "speculative": done["stats"],
             "session_id": done["session_id"] or None}
 
 
-def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include_usage: bool = False):
+def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include_usage: bool = False, pair=None):
     """The completion as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``.
 
     The finishing chunk carries ``usage`` (and the speculative stats) in any case; with
@@ -163,14 +225,23 @@ def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include
     OpenAI clients expect."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta_text, finish=None, extra=None, first=False):
+    offset = [0]  # completions: text_offset of the next token
+
+    def chunk(delta_text, finish=None, extra=None, first=False, ev=None):
+        lps = None
+        if ev is not None and ev.get("logprobs") is not None and pair is not None:
+            lps = _logprobs_json(pair, ev["token_ids"], ev["logprobs"], chat, offset[0])
+            if not chat and lps["tokens"]:
+                offset[0] = lps["text_offset"][-1] + len(lps["tokens"][-1])
         if chat:
             delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
             if first and delta_text:
                 delta = {"role": "assistant", "content": delta_text}
             c = {"index": 0, "delta": delta if finish is None else {}, "finish_reason": finish}
+            if lps is not None:
+                c["logprobs"] = lps
         else:
-            c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
+            c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": lps}
         d = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
         if extra:
             d.update(extra)
@@ -181,10 +252,15 @@ def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include
     events = job.events(ctx)
     try:
         first = True
+        if getattr(job, "echo", ""):
+            yield chunk(job.echo, first=True)
+            first = False
         for ev in events:
             if ev["type"] == "delta":
-                if ev["text"] or first:
-                    yield chunk(ev["text"], first=first)
+                # a delta with tokens but no text yet (held back, or part of a character) still
+                # goes out when its tokens' log-probabilities were asked for
+                if ev["text"] or first or ev.get("logprobs"):
+                    yield chunk(ev["text"], first=first, ev=ev)
                     first = False
             else:
                 yield chunk("", finish=ev["finish_reason"],
@@ -250,7 +326,7 @@ class RestApi:
     async def chat_completions(self, request: Request):
         return await self._generate(request, chat=True)
 
-    async def _start_job(self, g, data: dict, chat: bool):
+    async def _start_job(self, g, data: dict, chat: bool, request: Request):
         """Validate the body, take an admission slot and start the generation job (raises
         InvalidArgument, ResourceExhausted & co.)."""
         field = "messages" if chat else "prompt"
@@ -262,9 +338,12 @@ class RestApi:
             raise InvalidArgument("prompt", "must be a string")
         names = dict(_names(data), prompt="prompt", messages="messages")
         await g.admission.enter_async()
+        names["top_logprobs"] = "top_logprobs" if chat else "logprobs"
         job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
                       messages=value if chat else None, options=opts, api="rest", names=names,
-                      stop=extra.get("stop"), admitted=True)
+                      stop=extra.get("stop"), admitted=True,
+                      owner=key_owner(g.cfg, request.headers.get("authorization")), top_logprobs=extra["top"])
+        job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
         return job, bool(extra.get("stream")), bool((extra.get("stream_options") or {}).get("include_usage"))
 
     async def _generate(self, request: Request, chat: bool):
@@ -274,7 +353,7 @@ class RestApi:
         g = None
         try:
             g = self.gw()
-            job, stream, include_usage = await self._start_job(g, await _json_body(request), chat)
+            job, stream, include_usage = await self._start_job(g, await _json_body(request), chat, request)
         except Exception as e:
             if g is not None:
                 why = "overloaded" if isinstance(e, ResourceExhausted) else "rejected"
@@ -285,7 +364,7 @@ class RestApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat, include_usage),
+            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat, include_usage, g.pair),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -314,7 +393,10 @@ class RestApi:
         events = out.get("events")
         if job.cancelled or not events or events[-1]["type"] != "done":
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
-        return JSONResponse(_final(events[-1], rid, created, g.model_name, chat))
+        done = events[-1]
+        if job.echo:
+            done = dict(done, text=job.echo + done["text"])
+        return JSONResponse(_final(done, rid, created, g.model_name, chat, g.pair))
 
     # ---- models and vocabulary ----------------------------------------------------------------
     async def models(self, request: Request):
@@ -364,7 +446,7 @@ class RestApi:
                 messages = validate_messages(data["messages"])
                 if sum(len(m["content"]) for m in messages) > g.cfg.max_prompt_chars:
                     raise InvalidArgument("messages", f"are longer than {g.cfg.max_prompt_chars} characters")
-                ids = g.pair.chat_ids(messages)[0]
+                ids = g.pair.chat_ids(messages, g.model_name)[0]
         except Exception as e:
             return error_response(e)
         return JSONResponse({"tokens": [int(t) for t in ids], "count": len(ids),
@@ -406,20 +488,25 @@ class RestApi:
                 if k not in REST_OPTIONS:
                     raise InvalidArgument(k, "unknown field")
                 _take_option(opts, k, v)
-            s = g.create_session(opts, sid, names=_names(data))
+            s = g.create_session(opts, sid, names=_names(data),
+                                 owner=key_owner(g.cfg, request.headers.get("authorization")))
             return JSONResponse(_session_json(s), status_code=201)
         except Exception as e:
             return error_response(e)
 
     async def get_session(self, request: Request):
         try:
-            return JSONResponse(_session_json(self.gw().get_session(request.path_params["sid"])))
+            g = self.gw()
+            owner = key_owner(g.cfg, request.headers.get("authorization"))
+            return JSONResponse(_session_json(g.get_session(request.path_params["sid"], owner)))
         except Exception as e:
             return error_response(e)
 
     async def delete_session(self, request: Request):
         try:
-            existed = self.gw().delete_session(request.path_params["sid"])
+            g = self.gw()
+            owner = key_owner(g.cfg, request.headers.get("authorization"))
+            existed = g.delete_session(request.path_params["sid"], owner)
             if not existed:
                 raise NotFound("session_id", f"no session {request.path_params['sid']!r}")
             return JSONResponse({"session_id": request.path_params["sid"], "deleted": True})
@@ -434,9 +521,12 @@ class RestApi:
         g = self.gw_ref()
         if g is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        if not g.store.ping():
-            return JSONResponse({"status": "unavailable", "reason": "Redis is unreachable"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+        ok, details = await anyio.to_thread.run_sync(lambda: g.readiness(max_age_s=0.0))
+        if not ok:
+            why = ("Redis is unreachable" if details.get("redis") != "ok"
+                   else "a verifier is not serving (starting, loading its model, or down)")
+            return JSONResponse({"status": "unavailable", "reason": why, **details}, status_code=503)
+        return JSONResponse({"status": "ready", **details})
 
     async def metrics(self, request: Request):
         g = self.gw_ref()

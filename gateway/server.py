@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_new_tokens when a request gives none")
     p.add_argument("--default-temperature", type=float, default=float(_env("DEFAULT_TEMPERATURE", 0.0)),
                    help="temperature when a request gives none (0 = greedy)")
+    p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)),
+                   help="on SIGTERM: /readyz turns 503 and new requests get 503 at once; in-flight ones get "
+                        "this long to finish before the gateway exits")
     p.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 256)),
                    help="generations running at once (more wait in the queue)")
     p.add_argument("--max-queued-requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", 256)),
@@ -73,6 +76,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("max_concurrent_requests", f"must be >= 1, got {a.max_concurrent_requests}")
     if a.max_queued_requests < 0:
         raise InvalidArgument("max_queued_requests", f"must be >= 0, got {a.max_queued_requests}")
+    if not a.drain_timeout_s >= 0:
+        raise InvalidArgument("drain_timeout_s", f"must be >= 0, got {a.drain_timeout_s}")
     if not a.queue_timeout_s >= 0:
         raise InvalidArgument("queue_timeout_s", f"must be >= 0, got {a.queue_timeout_s}")
     for name in ("http_port", "grpc_port"):
@@ -88,7 +93,7 @@ def config_from_args(a) -> GatewayConfig:
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,
-                         queue_timeout_s=a.queue_timeout_s,
+                         queue_timeout_s=a.queue_timeout_s, drain_timeout_s=a.drain_timeout_s,
                          api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",")
                                             if k.strip()))
 
@@ -239,8 +244,35 @@ def main(argv=None) -> int:
     server.start()
     app = build_app(lambda: holder["gw"], tracer)
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off")
-    userver = uvicorn.Server(ucfg)
     status = {"rc": 0}
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT drain first: not ready and no new generations at once (503 / UNAVAILABLE,
+        gRPC health NOT_SERVING), in-flight requests get --drain-timeout-s to finish, then the
+        servers stop. A second signal stops at once."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            gw = holder["gw"]
+            if self.draining or gw is None:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            gw.draining = True
+            rpc.set_serving(health, ["", SERVICE_NAME], False)
+            print(f"crossdraft gateway: draining ({gw.admission.active} requests in flight, up to "
+                  f"{cfg.drain_timeout_s:g} s)", flush=True)
+
+            def drain():
+                idle = gw.admission.wait_idle(cfg.drain_timeout_s)
+                print(f"crossdraft gateway: {'drained' if idle else 'drain timeout'}; stopping", flush=True)
+                # not handle_exit(): uvicorn would re-raise the signal after shutdown (exit by signal,
+                # not 0); a drained gateway exits normally
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="crossdraft-drain", daemon=True).start()
+
+    userver = DrainingServer(ucfg)
 
     def init():
         try:
@@ -248,6 +280,17 @@ def main(argv=None) -> int:
             holder["gw"] = gw
             servicer_box["svc"] = GatewayServicer(gw)
             rpc.set_serving(health, ["", SERVICE_NAME], True)
+
+            def follow_readiness():  # the gateway's own gRPC health says what /readyz says
+                last = True
+                while not userver.should_exit and not gw.draining:
+                    ok, _ = gw.readiness()
+                    if ok != last:
+                        rpc.set_serving(health, ["", SERVICE_NAME], ok)
+                        last = ok
+                    time.sleep(1.0)
+
+            threading.Thread(target=follow_readiness, name="crossdraft-readiness", daemon=True).start()
             print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
                   f"{gw.drafter_model or 'none'}); REST http://{cfg.host}:{cfg.http_port}/v1, "
                   f"gRPC {cfg.host}:{gport}", flush=True)

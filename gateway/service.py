@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from crossdraft.errors import ResourceExhausted
-from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
+from crossdraft.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from .core import OPTION_FIELDS, Gateway, check_api_key
+from .core import OPTION_FIELDS, Gateway, check_api_key, key_owner
 
 
 def options_from_proto(m) -> dict:
@@ -34,20 +34,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, gw: Gateway):
         self.gw = gw
 
-    def _auth(self, context) -> None:
+    def _auth(self, context) -> str:
+        """Check the caller's API key (if keys are on); the owner hash of its sessions."""
         if self.gw.cfg.api_keys:
             md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
             check_api_key(self.gw.cfg, md.get("authorization"))
+            return key_owner(self.gw.cfg, md.get("authorization"))
+        return ""
 
     def Generate(self, request, context):
-        self._auth(context)
+        owner = self._auth(context)
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         prompt = request.prompt if (request.prompt or not messages) else None
         try:
             self.gw.admission.enter()
             job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
                                 options=options_from_proto(request.options), api="grpc",
-                                stop=list(request.stop) or None, admitted=True)
+                                stop=list(request.stop) or None, admitted=True, owner=owner,
+                                top_logprobs=int(request.top_logprobs) if request.HasField("top_logprobs") else -1)
         except Exception as e:
             # as REST counts its rejections
             self.gw.metrics.requests.labels("grpc", "overloaded" if isinstance(e, ResourceExhausted)
@@ -62,8 +66,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             for ev in events:
                 if ev["type"] == "delta":
+                    lps = [common_pb2.TokenLogprob(logprob=lp, top_ids=ids, top_logprobs=vals)
+                           for lp, ids, vals in (ev.get("logprobs") or [])]
                     yield gateway_pb2.GenerateResponse(
-                        delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"]))
+                        delta=gateway_pb2.TextDelta(text=ev["text"], token_ids=ev["token_ids"], logprobs=lps))
                     if context is not None and not context.is_active():
                         job.cancel()
                 else:
@@ -80,15 +86,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             job.close()
 
     def CreateSession(self, request, context):
-        self._auth(context)
+        owner = self._auth(context)
         opts = options_from_proto(request.options) if request.HasField("options") else {}
-        s = self.gw.create_session(opts, request.session_id or None)
+        s = self.gw.create_session(opts, request.session_id or None, owner=owner)
         return gateway_pb2.CreateSessionResponse(session_id=s.session_id)
 
     def GetSession(self, request, context):
-        self._auth(context)
-        return gateway_pb2.GetSessionResponse(session=session_to_proto(self.gw.get_session(request.session_id)))
+        owner = self._auth(context)
+        return gateway_pb2.GetSessionResponse(session=session_to_proto(self.gw.get_session(request.session_id,
+                                                                                         owner)))
 
     def DeleteSession(self, request, context):
-        self._auth(context)
-        return gateway_pb2.DeleteSessionResponse(existed=self.gw.delete_session(request.session_id))
+        owner = self._auth(context)
+        return gateway_pb2.DeleteSessionResponse(existed=self.gw.delete_session(request.session_id, owner))

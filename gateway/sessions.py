@@ -41,6 +41,9 @@ class Session:
     verifier_instance: str = ""
     drafter_address: str = ""  # the pod (host:port) the session's rounds go to while it is ready
     verifier_address: str = ""
+    # with API keys on: a hash of the key that created the session (never the key); only that key
+    # may read, continue or delete it -- others get NOT_FOUND, as for a session that does not exist
+    owner: str = ""
 
     def to_json(self) -> str:
         # token ids as base64 of int32 little-endian: ~20x faster than a JSON list, and smaller
@@ -98,23 +101,25 @@ class RedisSessionStore:
         except redis.RedisError:
             return False
 
-    def create(self, options: dict, session_id: str | None = None) -> Session:
+    def create(self, options: dict, session_id: str | None = None, owner: str = "") -> Session:
         """Store a new empty session (the given id, else a random one); FailedPrecondition if it exists."""
         sid = check_session_id(session_id) if session_id else uuid.uuid4().hex
         now = time.time()
-        s = Session(sid, now, now, options=options)
+        s = Session(sid, now, now, options=options, owner=owner)
         ok = self._do(lambda: self.r.set(self._key(sid), s.to_json(), px=self.ttl_ms, nx=True))
         if not ok:
             raise FailedPrecondition(f"session_id: session {sid!r} already exists")
         return s
 
-    def get(self, sid: str) -> Session:
-        """Load session `sid`; NotFound if it was never created, was deleted or has expired."""
+    def get(self, sid: str, owner: str | None = None) -> Session:
+        """Load session `sid`; NotFound if it was never created, was deleted or has expired -- or,
+        when ``owner`` is given, belongs to another API key (indistinguishable on purpose)."""
         check_session_id(sid)
         raw = self._do(self.r.get, self._key(sid))
-        if raw is None:
+        s = Session.from_json(raw) if raw is not None else None
+        if s is None or (owner is not None and s.owner != owner):
             raise NotFound("session_id", f"no session {sid!r} (never created, deleted, or expired)")
-        return Session.from_json(raw)
+        return s
 
     def save(self, s: Session) -> None:
         """Write the whole session back, stamping updated_unix_s and restarting its TTL."""

@@ -38,8 +38,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         params = wire.params_from_proto(request.params)
         expect = wire.expect_from_proto(request.expect) if request.HasField("expect") else None
         q_rows = [wire.sparse_from_proto(m, f"q[{i}]") for i, m in enumerate(request.q)] or None
+        top = int(request.top_logprobs) if request.HasField("top_logprobs") else -1
         r = w.verify(request.session_id, expect, list(request.draft_token_ids), q_rows, int(request.round_index),
-                     params, int(request.seed))
+                     params, int(request.seed), top)
         VERIFY_CALLS.inc()
         DRAFTS.inc(len(request.draft_token_ids))
         ACCEPTED.inc(r.num_accepted)
@@ -48,7 +49,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                                            accepted=r.accepted, forward_ms=r.forward_s * 1e3,
                                            context=wire.expect_to_proto(r.context), batch_size=r.batch_size,
                                            queue_wait_ms=r.queue_wait_s * 1e3,
-                                           active_sessions=r.active_sessions)
+                                           active_sessions=r.active_sessions,
+                                           logprobs=[common_pb2.TokenLogprob(logprob=lp, top_ids=ids,
+                                                                             top_logprobs=vals)
+                                                     for lp, ids, vals in (r.logprobs or [])])
 
     def EndVerifierSession(self, request, context):
         return verifier_pb2.EndVerifierSessionResponse(existed=self.state.get().end(request.session_id))

@@ -318,3 +318,182 @@ def test_a_client_that_goes_away_stops_its_request(stack, how):
     assert _counter(http, "crossdraft_requests_total", ok) == before[ok]
     assert _counter(http, "crossdraft_completion_tokens_total") == tokens_before
     assert _held_sessions(stack) == held_before  # its sessions were dropped on both servers
+
+
+def test_a_chat_to_a_model_without_a_template_names_the_model_not_a_server_path(stack):
+    """The tiny target has no chat template: 400 naming the model and what to do instead, never the
+    gateway's tokenizer cache path."""
+    r = rest(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages"
+    model = requests.get(stack.http + "/v1/models", timeout=10).json()["data"][0]["id"]
+    assert err["message"].startswith(f"messages: {model} has no chat template")
+    assert "/v1/completions" in err["message"]
+    assert "tokenizers" not in err["message"] and ".cache" not in err["message"]
+
+
+def test_sessions_belong_to_the_api_key_that_created_them(stack, tmp_path):
+    """With keys k1, k2: a session made with k1 is NOT_FOUND for k2 (read, continue, delete; REST and
+    gRPC), works for k1, and Redis holds a hash of k1, never k1 itself."""
+    from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.service_fixtures import gateway, wait_http_ready
+
+    g, http, grpc_addr = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, tmp_path,
+                                 env={"CROSSDRAFT_API_KEYS": "secret-key-one,secret-key-two"})
+    k1 = {"Authorization": "Bearer secret-key-one"}
+    k2 = {"Authorization": "Bearer secret-key-two"}
+    try:
+        wait_http_ready(http, g)
+        sid = requests.post(http + "/v1/sessions", json={"max_tokens": 4}, headers=k1, timeout=30).json()["session_id"]
+        r = requests.post(http + "/v1/completions", json={"prompt": "My secret is 42.", "session_id": sid},
+                          headers=k1, timeout=60)
+        assert r.status_code == 200
+        # another key: as if the session did not exist
+        assert requests.get(f"{http}/v1/sessions/{sid}", headers=k2, timeout=30).status_code == 404
+        r = requests.post(http + "/v1/completions", json={"prompt": " Repeat the secret:", "session_id": sid},
+                          headers=k2, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
+        assert requests.delete(f"{http}/v1/sessions/{sid}", headers=k2, timeout=30).status_code == 404
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+            md2 = [("authorization", "Bearer secret-key-two")]
+            for call in (lambda: stub.GetSession(gateway_pb2.GetSessionRequest(session_id=sid), timeout=30,
+                                                 metadata=md2),
+                         lambda: list(stub.Generate(gateway_pb2.GenerateRequest(session_id=sid, prompt="x"),
+                                                    timeout=30, metadata=md2))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert not stub.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=sid), timeout=30,
+                                          metadata=md2).existed
+            got = stub.GetSession(gateway_pb2.GetSessionRequest(session_id=sid), timeout=30,
+                                  metadata=[("authorization", "Bearer secret-key-one")])
+            assert got.session.turns == 1
+        import redis as redis_lib
+
+        r_ = redis_lib.Redis.from_url(stack.redis.url)
+        raw = b"".join(r_.get(k) or b"" for k in r_.scan_iter("*") if sid.encode() in k and b"lease" not in k)
+        assert b'"owner":"' in raw and b'"owner":""' not in raw and b"secret-key-one" not in raw
+        # the owner deletes it
+        assert requests.delete(f"{http}/v1/sessions/{sid}", headers=k1, timeout=30).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_sigterm_drains_the_gateway(stack, tmp_path):
+    """SIGTERM: /readyz turns 503 at once and new requests get 503 (REST) / UNAVAILABLE (gRPC),
+    a stream started before it runs to its end, then the gateway exits 0."""
+    import signal
+    import threading
+    import time
+
+    from tests.service_fixtures import gateway, wait_http_ready
+
+    g, http, grpc_addr = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, tmp_path,
+                                 extra=["--drain-timeout-s", "120"])
+    try:
+        wait_http_ready(http, g)
+        got = {}
+
+        def long_stream():
+            body = {"prompt": PROMPT, "max_tokens": 300, "stream": True, "use_drafter": False}
+            with requests.post(http + "/v1/completions", json=body, stream=True, timeout=300) as r:
+                got["chunks"] = sse_chunks(r)
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        deadline = time.monotonic() + 60
+        while _gauge(http, "crossdraft_active_requests") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        g.p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        ready = requests.get(http + "/readyz", timeout=10)
+        late = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(PROMPT, max_new_tokens=2)
+        still_streaming = t.is_alive()
+        t.join(300)
+        rc = g.p.wait(60)
+        assert ready.status_code == 503 and ready.json().get("draining") is True
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert still_streaming, "the stream ended before the drain was checked (make it longer)"
+        chunks = got["chunks"]
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-2]["usage"]["completion_tokens"] == 300
+        assert rc == 0, g.tail()
+    finally:
+        g.stop()
+
+
+def test_drain_flag_is_checked():
+    from crossdraft.errors import InvalidArgument
+    from gateway.server import build_parser, config_from_args
+
+    a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x", "--drain-timeout-s", "-1"])
+    with pytest.raises(InvalidArgument) as e:
+        config_from_args(a)
+    assert e.value.field == "drain_timeout_s"
+
+
+def test_echo_puts_the_prompt_before_the_completion(stack, ref):
+    text = ref["choices"][0]["text"]
+    body = {"prompt": PROMPT, "max_tokens": 40, "echo": True}
+    r = rest(stack, "/v1/completions", body).json()
+    assert r["choices"][0]["text"] == PROMPT + text
+    assert r["usage"] == ref["usage"]
+    chunks = [c for c in sse_chunks(rest(stack, "/v1/completions", dict(body, stream=True), stream=True))
+              if c != "[DONE]"]
+    assert "".join(_text(c["choices"][0]) for c in chunks) == PROMPT + text
+    bad = rest(stack, "/v1/completions", dict(body, echo="yes"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    chat = rest(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
+# ---- log-probabilities --------------------------------------------------------------------------
+
+def test_logprobs_through_rest_and_grpc_equal_the_in_process_engine(stack, engine):
+    """completions `logprobs: N` and gRPC `top_logprobs`: the target's log-probabilities of every
+    generated token (and the N best) -- the in-process engine's numbers, in OpenAI's shape."""
+    from crossdraft.sampling import SamplingParams
+
+    ref = engine.generate(PROMPT, max_new_tokens=24, params=SamplingParams(), top_logprobs=3)
+    r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "logprobs": 3}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 24
+    assert lp["token_logprobs"] == pytest.approx([x[0] for x in ref.logprobs], abs=1e-4)
+    for tops, (_, _ids, vals) in zip(lp["top_logprobs"], ref.logprobs, strict=True):
+        # (keys are token texts: two ids with the same text share one entry)
+        assert 1 <= len(tops) <= 3 and max(tops.values()) == pytest.approx(vals[0], abs=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # streamed: the chunks' logprobs add up to the same
+    chunks = [c for c in sse_chunks(rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24,
+                                                                    "logprobs": 3, "stream": True}, stream=True))
+              if c != "[DONE]"]
+    streamed = [x for c in chunks if c["choices"][0]["logprobs"] for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-9)
+    # gRPC
+    with Client(stack.grpc) as c:
+        out = c.generate(PROMPT, max_new_tokens=24, top_logprobs=2)
+    assert out.token_ids == ref.token_ids
+    assert [x[0] for x in out.logprobs] == pytest.approx([x[0] for x in ref.logprobs], abs=1e-4)
+    assert all(ids == want[1][:2] for (_, ids, _), want in zip(out.logprobs, ref.logprobs, strict=True))
+    # without asking: none
+    plain = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": "3"}, "logprobs"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+])
+def test_bad_logprobs_name_the_field(stack, path, body, field):
+    base = {"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    r = rest(stack, path, dict(base, max_tokens=2, **body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -150,3 +150,51 @@ def test_redis_down_gives_503_and_the_gateway_recovers(tiny_dirs, logs):
         assert r.status_code == 404
     finally:
         _stop(g, d, v, redis)
+
+
+def test_readyz_waits_for_a_restarted_verifier_to_load_its_model(tiny_dirs, logs):
+    """Readiness tells the truth: while the verifier is down, and while a restarted one is still
+    loading its model (port open, gRPC health NOT_SERVING), /readyz and the gateway's own gRPC
+    health say not ready; once the verifier serves, both say ready and requests work."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    redis, v, vaddr, d, daddr, g, http, grpc_addr = _stack(tiny_dirs, logs)
+
+    def gw_health():
+        import grpc
+
+        with grpc.insecure_channel(grpc_addr) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+    try:
+        r = requests.get(http + "/readyz", timeout=10)
+        assert r.status_code == 200 and set(r.json()["verifiers"].values()) == {"SERVING"}
+        v.stop()
+        r = requests.get(http + "/readyz", timeout=10)
+        assert r.status_code == 503 and "verifier" in r.json()["reason"]
+        v.env["CROSSDRAFT_FAULT_LOAD_DELAY_S"] = "6"
+        v.start()
+        # the port opens at once; the model takes 6 s more
+        t0 = time.time()
+        states = []
+        while time.time() - t0 < 4:
+            r = requests.get(http + "/readyz", timeout=10)
+            states.append((r.status_code, r.json().get("verifiers", {}).get(vaddr)))
+            time.sleep(0.2)
+        assert (503, "NOT_SERVING") in states, states
+        assert all(code == 503 for code, _ in states), states
+        time.sleep(1.5)  # the gateway's own health follows /readyz within about a second
+        assert gw_health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_grpc_healthy(vaddr, v)
+        deadline = time.time() + 30
+        while requests.get(http + "/readyz", timeout=10).status_code != 200:
+            assert time.time() < deadline, "never ready again"
+            time.sleep(0.2)
+        r = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        deadline = time.time() + 10
+        while gw_health() != health_pb2.HealthCheckResponse.SERVING:
+            assert time.time() < deadline, "the gateway's gRPC health never came back"
+            time.sleep(0.2)
+    finally:
+        _stop(g, d, v, redis)

@@ -537,3 +537,18 @@ def test_notes_show_how_to_connect(helm):
     assert f"port-forward svc/{FULL}-gateway 8000:http" in notes
     assert f"port-forward svc/{FULL}-gateway 50051:grpc" in notes
     assert "curl -s http://127.0.0.1:8000/v1/completions" in notes
+
+
+def test_gateway_drain_matches_the_pod_grace_period(helm, render):
+    """SIGTERM drains the gateway (--drain-timeout-s); a preStop sleep lets endpoints drop the pod
+    first; the grace period covers both, so the kubelet never kills a draining gateway."""
+    g = gateway(render("default"))
+    assert container(g)["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    assert pod_spec(g)["terminationGracePeriodSeconds"] == 40  # 5 + 30 + 5
+    gcm = find(render("default"), "ConfigMap", f"{FULL}-gateway-config")["data"]
+    assert gcm["CROSSDRAFT_DRAIN_TIMEOUT_S"] == "30"
+    docs = _template(helm, ("--set", "gateway.drain.timeoutSeconds=100", "--set", "gateway.drain.preStopSeconds=0"),
+                     K8S_VERSIONS[-1])
+    g = gateway(docs)
+    assert "lifecycle" not in container(g)
+    assert pod_spec(g)["terminationGracePeriodSeconds"] == 105

@@ -140,3 +140,17 @@ def test_static_costs_ignore_the_batch():
     b = DraftPolicy(DraftConfig(), 0.3, verify_costs=None, measured=False)
     assert _run_batched(a, 30, 1) == _run_batched(b, 30, 32)
     assert b.batch == 1.0
+
+
+def test_pays_tells_whether_a_new_request_should_start_drafting():
+    """A new request starts from the load the last round saw: at 16 sessions on a CPU it starts
+    target-only (k = 0) instead of drafting its first blocks for an idle server."""
+    p = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    assert p.pays()
+    p.batch = 16.0
+    assert not p.pays()
+    assert p.skipped == 0 and not p.probing  # no state changed
+    fixed = DraftPolicy(DraftConfig(adaptive=False), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU,
+                        measured=True)
+    fixed.batch = 16.0
+    assert fixed.pays()  # a fixed block size is the caller's choice

@@ -517,3 +517,25 @@ def test_slow_sentencepiece_tokenizer(tmp_path):
     pairs = [(int(d), int(m.d2t[d])) for d in np.flatnonzero(m.d2t >= 0)]
     assert len(pairs) > 50
     assert in_context_mismatches(tok, BL(), pairs) == []
+
+
+def test_chat_ids_drafter_without_a_template_drafts_over_the_targets_rendering(tok_t, tok_d):
+    import copy
+
+    from crossdraft.errors import InvalidArgument
+    from crossdraft.vocab import TokenPair
+
+    msgs = [{"role": "user", "content": "hello world"}]
+    t = copy.deepcopy(tok_t)
+    t.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}[assistant] {% endif %}")
+    pair = TokenPair(t, tok_d, len(t), len(tok_d))
+    t_ids, d_ids = pair.chat_ids(msgs)
+    text = "[user] hello world\n[assistant] "
+    assert t_ids == list(t(text, add_special_tokens=False)["input_ids"])
+    assert d_ids == pair.encode_drafter(text)
+    # no template on the target: a clear error naming the model (not a tokenizer path)
+    bare = TokenPair(tok_t, tok_d, len(tok_t), len(tok_d))
+    with pytest.raises(InvalidArgument) as e:
+        bare.chat_ids(msgs, "tiny-target")
+    assert e.value.field == "messages" and "tiny-target has no chat template" in str(e.value)
