@@ -38,7 +38,8 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
                 max_context_tokens=m.max_context_tokens, eos_token_ids=list(m.eos_token_ids),
                 max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
                 forward_ms=[float(x) for x in m.forward_ms], kv_blocks_total=m.kv_blocks_total,
-                kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows)
+                kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows,
+                tokenizer_files_digest=m.tokenizer_files_digest)
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

@@ -263,6 +263,13 @@ class _Worker:
             from .vocab import tokenizer_digest
 
             self._digest = tokenizer_digest(self.loaded.tokenizer)
+        if getattr(self, "_files_digest", None) is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            for name, content in self.tokenizer_files().items():  # sorted by name
+                h.update(name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
+            self._files_digest = h.hexdigest()
         body, row, rows = self.cost()
         catalog = getattr(self.loaded, "kind", "") == "catalog"
         return dict(
@@ -270,6 +277,7 @@ class _Worker:
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest,
+            tokenizer_files_digest=self._files_digest,
             max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id, forward_ms=self.timings(),
             **self._kv_info(),

@@ -38,7 +38,8 @@ REST_OPTIONS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_ne
                 "num_draft_tokens": "num_draft_tokens", "adaptive_draft": "adaptive_draft",
                 "use_drafter": "use_drafter"}
 # accepted for compatibility; only their neutral values are allowed
-NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+MAX_N = 16  # completions per request (`n`)
+NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
            "best_of": (1,), "user": None, "model": None,
            "suffix": (None, "")}
 
@@ -101,7 +102,8 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     for k, v in data.items():
         if k in REST_OPTIONS:
             _take_option(opts, k, v)
-        elif k in (input_field, "stream", "session_id", "stop", "stream_options", "echo", "logprobs", "top_logprobs"):
+        elif k in (input_field, "stream", "session_id", "stop", "stream_options", "echo", "logprobs", "top_logprobs",
+                   "n"):
             extra[k] = v
         elif k in NEUTRAL:
             allowed = NEUTRAL[k]
@@ -115,6 +117,9 @@ def _split(data: dict, input_field: str) -> tuple[dict, dict]:
     if sid is not None and not isinstance(sid, str):
         raise InvalidArgument("session_id", "must be a string")
     extra["top"] = _top_logprobs(extra, chat=input_field == "messages")
+    extra["n"] = check_int("n", extra.get("n", 1), 1, MAX_N)
+    if extra["n"] > 1 and sid is not None:
+        raise InvalidArgument("n", "must be 1 for a request on a session (one history, one continuation)")
     if "echo" in extra:
         if not isinstance(extra["echo"], bool):
             raise InvalidArgument("echo", "must be a boolean")
@@ -217,68 +222,163 @@ def _final(done: dict, rid: str, created: int, model: str, chat: bool, pair=None
             "session_id": done["session_id"] or None}
 
 
-def _sse(job, ctx, span, rid: str, created: int, model: str, chat: bool, include_usage: bool = False, pair=None):
-    """The completion as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``.
+def derive_seed(seed: int, i: int) -> int:
+    """The seed of completion i > 0 of a request with ``n`` > 1: a function of the request's seed."""
+    import hashlib
 
-    The finishing chunk carries ``usage`` (and the speculative stats) in any case; with
-    ``stream_options.include_usage`` one more chunk follows with no choices and the usage, as
-    OpenAI clients expect."""
+    h = hashlib.blake2b(f"crossdraft-n:{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
+class Completions:
+    """The jobs of one request: ``n`` completions from ``len(jobs)`` runs (1 run for greedy)."""
+
+    def __init__(self, jobs: list, n: int):
+        self.jobs, self.n = jobs, n
+
+    def cancel(self) -> None:
+        for j in self.jobs:
+            j.cancel()
+
+    def close(self) -> None:
+        for j in self.jobs:
+            j.close()
+
+    @property
+    def cancelled(self) -> bool:
+        return any(j.cancelled for j in self.jobs)
+
+
+def _final_many(dones: list[dict], rid: str, created: int, model: str, chat: bool, pair=None) -> dict:
+    """n completions in one response: a choice each; usage counts the prompt once and every choice's
+    tokens; ``speculative`` sums the choices' rounds."""
+    out = _final(dones[0], rid, created, model, chat, pair)
+    if len(dones) == 1:
+        return out
+    out["choices"] = [dict(_final(d, rid, created, model, chat, pair)["choices"][0], index=i)
+                      for i, d in enumerate(dones)]
+    completion = sum(d["usage"]["completion_tokens"] for d in dones)
+    prompt = dones[0]["usage"]["prompt_tokens"]
+    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return out
+
+
+def _merged(jobs: "Completions", ctx):
+    """(choice index, event) from every job: one job is read directly; several run in threads, their
+    events interleaved as they come. Greedy n > 1 (one run): each event goes to every index."""
+    import queue
+    import threading
+
+    runs, n = jobs.jobs, jobs.n
+    if len(runs) == 1:
+        events = runs[0].events(ctx)
+        try:
+            for ev in events:
+                for i in range(n):
+                    yield i, ev
+        finally:
+            events.close()
+        return
+    q: queue.Queue = queue.Queue()
+
+    def pump(i, job):
+        events = job.events(ctx)
+        try:
+            for ev in events:
+                q.put((i, ev, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            q.put((i, None, e))
+        finally:
+            events.close()
+            q.put((i, None, None))
+
+    threads = [threading.Thread(target=pump, args=(i, j), daemon=True) for i, j in enumerate(runs)]
+    for t in threads:
+        t.start()
+    live = len(runs)
+    try:
+        while live:
+            i, ev, err = q.get()
+            if err is not None:
+                raise err
+            if ev is None:
+                live -= 1
+                continue
+            yield i, ev
+    finally:
+        if live:  # the reader went away early: the others stop after their round in flight
+            jobs.cancel()
+
+
+def _sse(jobs: Completions, ctx, span, rid: str, created: int, model: str, chat: bool, include_usage: bool = False,
+         pair=None):
+    """The completion(s) as server-sent events (OpenAI chunk shapes), then ``data: [DONE]``.
+
+    Each choice's finishing chunk carries its ``usage`` (and speculative stats); with
+    ``stream_options.include_usage`` one more chunk follows with no choices and the request's
+    usage (the prompt once, every choice's tokens), as OpenAI clients expect."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    n = jobs.n
+    offset = [0] * n  # completions: text_offset of each choice's next token
 
-    offset = [0]  # completions: text_offset of the next token
-
-    def chunk(delta_text, finish=None, extra=None, first=False, ev=None):
+    def chunk(delta_text, finish=None, extra=None, first=False, ev=None, index=0):
         lps = None
         if ev is not None and ev.get("logprobs") is not None and pair is not None:
-            lps = _logprobs_json(pair, ev["token_ids"], ev["logprobs"], chat, offset[0])
+            lps = _logprobs_json(pair, ev["token_ids"], ev["logprobs"], chat, offset[index])
             if not chat and lps["tokens"]:
-                offset[0] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                offset[index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
         if chat:
             delta = {"content": delta_text} if delta_text or not first else {"role": "assistant", "content": ""}
             if first and delta_text:
                 delta = {"role": "assistant", "content": delta_text}
-            c = {"index": 0, "delta": delta if finish is None else {}, "finish_reason": finish}
+            c = {"index": index, "delta": delta if finish is None else {}, "finish_reason": finish}
             if lps is not None:
                 c["logprobs"] = lps
         else:
-            c = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": lps}
+            c = {"index": index, "text": delta_text, "finish_reason": finish, "logprobs": lps}
         d = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
         if extra:
             d.update(extra)
         return f"data: {json.dumps(d)}\n\n"
 
-    # held here (not only by the loop), so that when the client goes away the job is marked
-    # cancelled before its generator is closed
-    events = job.events(ctx)
+    # held here (not only by the loop), so that when the client goes away the jobs are marked
+    # cancelled before their generators are closed
+    events = _merged(jobs, ctx)
     try:
-        first = True
-        if getattr(job, "echo", ""):
-            yield chunk(job.echo, first=True)
-            first = False
-        for ev in events:
+        first = [True] * n
+        echo = getattr(jobs.jobs[0], "echo", "")
+        if echo:
+            for i in range(n):
+                yield chunk(echo, first=True, index=i)
+                first[i] = False
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for i, ev in events:
             if ev["type"] == "delta":
                 # a delta with tokens but no text yet (held back, or part of a character) still
                 # goes out when its tokens' log-probabilities were asked for
-                if ev["text"] or first or ev.get("logprobs"):
-                    yield chunk(ev["text"], first=first, ev=ev)
-                    first = False
+                if ev["text"] or first[i] or ev.get("logprobs"):
+                    yield chunk(ev["text"], first=first[i], ev=ev, index=i)
+                    first[i] = False
             else:
-                yield chunk("", finish=ev["finish_reason"],
+                yield chunk("", finish=ev["finish_reason"], index=i,
                             extra={"usage": ev["usage"], "speculative": ev["stats"],
                                    "session_id": ev["session_id"] or None})
-                if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                                 "choices": [], "usage": ev["usage"]}) + "\n\n"
+                usage["prompt_tokens"] = ev["usage"]["prompt_tokens"]
+                usage["completion_tokens"] += ev["usage"]["completion_tokens"]
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if include_usage:
+            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                         "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
     except GeneratorExit:  # the client went away (Starlette stops reading us): no more rounds
-        job.cancel()
+        jobs.cancel()
         raise
     except Exception as e:
         err = json.loads(error_response(e).body)
         yield f"data: {json.dumps(err)}\n\n"
     finally:
         events.close()
-        job.close()
+        jobs.close()
         span.end()
 
 
@@ -337,14 +437,31 @@ class RestApi:
         if not chat and not isinstance(value, str):
             raise InvalidArgument("prompt", "must be a string")
         names = dict(_names(data), prompt="prompt", messages="messages")
-        await g.admission.enter_async()
         names["top_logprobs"] = "top_logprobs" if chat else "logprobs"
-        job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
-                      messages=value if chat else None, options=opts, api="rest", names=names,
-                      stop=extra.get("stop"), admitted=True,
-                      owner=key_owner(g.cfg, request.headers.get("authorization")), top_logprobs=extra["top"])
-        job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
-        return job, bool(extra.get("stream")), bool((extra.get("stream_options") or {}).get("include_usage"))
+        n = extra["n"]
+        # greedy: the n completions are one and the same -- computed once, sent n times
+        greedy = opts.get("temperature", g.cfg.default_temperature) == 0
+        runs = 1 if greedy else n
+        jobs = []
+        try:
+            for i in range(runs):
+                o = dict(opts)
+                if i and "seed" in o:  # completion i > 0: its own seed, derived from the request's
+                    o["seed"] = derive_seed(o["seed"], i)
+                await g.admission.enter_async()
+                job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
+                              messages=value if chat else None, options=o, api="rest", names=names,
+                              stop=extra.get("stop"), admitted=True,
+                              owner=key_owner(g.cfg, request.headers.get("authorization")),
+                              top_logprobs=extra["top"])
+                job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
+                jobs.append(job)
+        except BaseException:
+            for job in jobs:
+                job.close()
+            raise
+        include_usage = bool((extra.get("stream_options") or {}).get("include_usage"))
+        return Completions(jobs, n), bool(extra.get("stream")), include_usage
 
     async def _generate(self, request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
@@ -354,6 +471,7 @@ class RestApi:
         try:
             g = self.gw()
             job, stream, include_usage = await self._start_job(g, await _json_body(request), chat, request)
+            jobs = job
         except Exception as e:
             if g is not None:
                 why = "overloaded" if isinstance(e, ResourceExhausted) else "rejected"
@@ -364,39 +482,47 @@ class RestApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return StreamingResponse(_sse(job, ctx, span, rid, created, g.model_name, chat, include_usage, g.pair),
+            return StreamingResponse(_sse(jobs, ctx, span, rid, created, g.model_name, chat, include_usage, g.pair),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        out: dict = {}
+        outs: list[dict] = [{} for _ in jobs.jobs]
 
-        def run_all():  # errors are kept, not raised: a task group would wrap them in an ExceptionGroup
+        def run_one(i):  # errors are kept, not raised: a task group would wrap them in an ExceptionGroup
             try:
-                out["events"] = list(job.events(ctx))
+                outs[i]["events"] = list(jobs.jobs[i].events(ctx))
             except Exception as e:
-                out["error"] = e
-            finally:
-                span.end()
+                outs[i]["error"] = e
 
         async def watch_disconnect():
             # the body is read: the next message is the disconnect, if the client leaves
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            job.cancel()  # the rounds stop after the one in flight
+            jobs.cancel()  # the rounds stop after the one in flight
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect)
-            await anyio.to_thread.run_sync(run_all)
-            tg.cancel_scope.cancel()  # done: stop watching
-        if "error" in out:
-            return error_response(out["error"])
-        events = out.get("events")
-        if job.cancelled or not events or events[-1]["type"] != "done":
-            return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
-        done = events[-1]
-        if job.echo:
-            done = dict(done, text=job.echo + done["text"])
-        return JSONResponse(_final(done, rid, created, g.model_name, chat, g.pair))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnect)
+                async with anyio.create_task_group() as runs:  # the n completions run side by side
+                    for i in range(len(jobs.jobs)):
+                        runs.start_soon(anyio.to_thread.run_sync, run_one, i)
+                tg.cancel_scope.cancel()  # done: stop watching
+        finally:
+            span.end()
+        errors = [o["error"] for o in outs if "error" in o]
+        if errors:
+            return error_response(errors[0])
+        dones = []
+        for job, o in zip(jobs.jobs, outs, strict=True):
+            events = o.get("events")
+            if job.cancelled or not events or events[-1]["type"] != "done":
+                return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+            done = events[-1]
+            if job.echo:
+                done = dict(done, text=job.echo + done["text"])
+            dones.append(done)
+        dones = [dones[i % len(dones)] for i in range(jobs.n)]  # greedy: one run, n copies
+        return JSONResponse(_final_many(dones, rid, created, g.model_name, chat, g.pair))
 
     # ---- models and vocabulary ----------------------------------------------------------------
     async def models(self, request: Request):

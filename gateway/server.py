@@ -172,7 +172,9 @@ def _remote_tokenizer(client):
     from crossdraft.models import crossdraft_home
 
     info = client.info()
-    digest = info["tokenizer_digest"] or "nodigest"
+    # keyed by the files, not only the vocabulary: the same vocabulary may come with another chat
+    # template (a base and an instruct model) or special-token config
+    digest = info.get("tokenizer_files_digest") or info["tokenizer_digest"] or "nodigest"
     d = Path(crossdraft_home()) / "tokenizers" / digest[:32]
     if not (d / ".complete").exists():
         files, _ = client.tokenizer_files()

@@ -497,3 +497,42 @@ def test_bad_logprobs_name_the_field(stack, path, body, field):
     base = {"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
     r = rest(stack, path, dict(base, max_tokens=2, **body))
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+# ---- n completions of one prompt ------------------------------------------------------------------
+
+def test_n_sampled_completions_with_derived_seeds(stack):
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    one = rest(stack, "/v1/completions", body).json()
+    three = rest(stack, "/v1/completions", dict(body, n=3)).json()
+    texts = [c["text"] for c in three["choices"]]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert texts[0] == one["choices"][0]["text"]  # choice 0 keeps the request's seed
+    assert len(set(texts)) > 1  # the others have their own (derived) seeds
+    assert three["usage"]["completion_tokens"] == 36
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert [c["text"] for c in rest(stack, "/v1/completions", dict(body, n=3)).json()["choices"]] == texts
+    # streamed: each choice's chunks add up to its text; the usage chunk counts all of them
+    chunks = [c for c in sse_chunks(rest(stack, "/v1/completions",
+                                         dict(body, n=3, stream=True, stream_options={"include_usage": True}),
+                                         stream=True)) if c != "[DONE]"]
+    got = ["", "", ""]
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            got[ch["index"]] += ch["text"]
+    assert got == texts
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 36
+
+
+def test_n_greedy_completions_are_one_run_sent_n_times(stack, ref):
+    r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "n": 2}).json()
+    assert [c["text"] for c in r["choices"]] == [ref["choices"][0]["text"]] * 2
+    assert r["usage"]["completion_tokens"] == 2 * ref["usage"]["completion_tokens"]
+    assert r["speculative"]["rounds"] == ref["speculative"]["rounds"]  # computed once
+
+
+@pytest.mark.parametrize("body, field", [({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": "2"}, "n"),
+                                         ({"n": 2, "session_id": "abc"}, "n")])
+def test_bad_n_names_the_field(stack, body, field):
+    r = rest(stack, "/v1/completions", dict({"prompt": PROMPT, "max_tokens": 2, "temperature": 1.0}, **body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
