@@ -417,6 +417,7 @@ class RestApi:
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/readyz", self.readyz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
 
     # ---- completions ------------------------------------------------------------------------------
@@ -653,6 +654,12 @@ class RestApi:
                    else "a verifier is not serving (starting, loading its model, or down)")
             return JSONResponse({"status": "unavailable", "reason": why, **details}, status_code=503)
         return JSONResponse({"status": "ready", **details})
+
+    async def openapi(self, request: Request):
+        from .openapi import openapi_document
+
+        g = self.gw_ref()
+        return JSONResponse(openapi_document(g.cfg.max_new_tokens_limit if g is not None else 4096))
 
     async def metrics(self, request: Request):
         g = self.gw_ref()
