@@ -105,8 +105,11 @@ def _completion_schema(chat: bool) -> dict:
 
 def openapi_document(max_new_tokens: int = 4096) -> dict:
     """The document; ``max_new_tokens`` is the gateway's --max-new-tokens-limit."""
-    sse = {"text/event-stream": {"schema": {"type": "string"},
-                                 "description": "with stream: true -- OpenAI chunk objects, then data: [DONE]"}}
+    # one server-sent event: data is an OpenAI chunk object as JSON, or [DONE] at the end
+    sse = {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+        "description": "with stream: true -- events whose data is an OpenAI chunk object, then [DONE]"}}}
 
     def generation(chat: bool) -> dict:
         name = "Chat" if chat else "Completion"
