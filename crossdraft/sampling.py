@@ -104,8 +104,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, presence: torch
     """Repetition penalty, temperature, top-k, top-p -- in that order.
 
     logits: [N, V] (any float dtype; computed in float32). presence: bool [N, V] or None.
-    Returns float32 [N, V] processed logits, -inf for removed tokens. With temperature 0 the
-    temperature step is skipped (greedy takes the argmax of the result).
+    Returns float32 [N, V] processed logits, -inf for removed tokens; sampling rows are shifted so
+    that their maximum is 0 (the same distribution). With temperature 0 the temperature step is
+    skipped (greedy takes the argmax of the result).
     """
     x = logits.float()
     if params.repetition_penalty != 1.0 and presence is not None:
@@ -114,7 +115,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, presence: torch
         x = torch.where(presence, penalised, x)
     if params.greedy:
         return x
-    x = x / params.temperature
+    # shift each row to max 0 first (softmax does not change): a tiny temperature then sends the
+    # others to -inf instead of overflowing the best to +inf (inf - inf = NaN in the softmax);
+    # below 1e-30 (float32 holds nothing smaller as a divisor) the distribution is the argmax anyway
+    x = (x - x.max(dim=-1, keepdim=True).values) / max(params.temperature, 1e-30)
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -152,7 +152,8 @@ def test_processing_order_penalty_temperature_topk_topp():
     # top-p 0.9: sorted masses [0.665, 0.245, 0.090]; before-mass of id 1 is 0.91 >= 0.9 -> dropped
     assert probs[0] < 0.9 <= probs[0] + probs[2]  # ids 0 and 4 are needed to reach 0.9
     assert torch.isinf(out[0, [1, 2, 3]]).all()
-    assert out[0, 0].item() == pytest.approx(4.0) and out[0, 4].item() == pytest.approx(3.0)
+    # (sampling rows come shifted to max 0: 4 -> 0, 3 -> -1)
+    assert out[0, 0].item() == pytest.approx(0.0) and out[0, 4].item() == pytest.approx(-1.0)
 
 
 def test_greedy_applies_penalty_only():
@@ -193,3 +194,20 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 def test_top_p_keeps_at_least_one_token():
     out = S.process_logits(torch.tensor([[10.0, 0.0, 0.0]]), SamplingParams(temperature=1.0, top_p=0.01))
     assert math.isfinite(out[0, 0].item()) and torch.isinf(out[0, 1:]).all()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(5e-324, 5e-324), (1e-30, 1.0), (1e-30, 0.5), (1e300, 1.0)])
+def test_extreme_temperatures_give_a_distribution_not_nan(temperature, top_p):
+    """Found by fuzzing the REST API: temperature 5e-324 overflowed the logits to +inf and the
+    softmax to NaN (a 5xx). Tiny temperatures now tend to the argmax, huge ones to uniform."""
+    import torch
+
+    from crossdraft.sampling import SamplingParams, probabilities, process_logits
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.5, 0.1, 0.0]])
+    p = probabilities(process_logits(logits, SamplingParams(temperature=temperature, top_p=top_p)))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2))
+    if temperature < 1e-20:
+        assert p[0].argmax() == 1 and p[0, 1] == 1.0
+    if temperature > 1e200:
+        assert torch.allclose(p[0], torch.full((4,), 0.25))
