@@ -338,8 +338,10 @@ class Decoder:
         req.k = req.draft.num_draft_tokens
         if req.spec and req.policy.measured:
             req.policy.batch = self._load
-            if not req.policy.pays():
-                req.k = 0  # drafting does not pay at this load: start target-only (the policy probes later)
+            if self._load > 1.5 and not req.policy.pays():
+                # drafting does not pay at this load: start target-only (the policy probes later).
+                # Alone, the first block still drafts: it measures this text's acceptance.
+                req.k = 0
 
     def _rounds(self, run: Run, req: _Request, round_index: int, round_scope):
         t_start = time.perf_counter()
