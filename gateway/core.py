@@ -138,17 +138,19 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
     return out
 
 
+def _bearer(authorization: str | None) -> str:
+    """The key of an "Authorization: Bearer <key>" header ("" if it is not one)."""
+    token = (authorization or "").strip()
+    return token[7:].strip() if token[:7].lower() == "bearer " else ""
+
+
 def check_api_key(cfg: GatewayConfig, authorization: str | None) -> None:
     """Raise Unauthenticated unless keys are off or `authorization` is "Bearer <a configured key>"."""
     if not cfg.api_keys:
         return
     import hmac
 
-    token = (authorization or "").strip()
-    if token[:7].lower() == "bearer ":
-        token = token[7:].strip()
-    else:
-        token = ""
+    token = _bearer(authorization)
     if not token or not any(hmac.compare_digest(token, k) for k in cfg.api_keys):
         raise Unauthenticated("authorization: missing or invalid API key (send 'Authorization: Bearer <key>')")
 
@@ -163,11 +165,9 @@ class Admission:
         self.limit, self.queue, self.wait_s = int(limit), int(queue), float(wait_s)
         self.active = 0
         self.waiting = 0
-        self.refused = 0
         self._cv = threading.Condition()
 
     def _refuse(self, why: str) -> ResourceExhausted:
-        self.refused += 1
         return ResourceExhausted(f"the gateway is at capacity ({self.active} requests running, {self.waiting} "
                                  f"waiting): {why}; retry later")
 
@@ -251,8 +251,7 @@ def key_owner(cfg: GatewayConfig, authorization: str | None) -> str:
         return ""
     import hashlib
 
-    token = (authorization or "").strip()
-    token = token[7:].strip() if token[:7].lower() == "bearer " else ""
+    token = _bearer(authorization)
     return hashlib.sha256(b"crossdraft-session-owner\0" + token.encode("utf-8", "replace")).hexdigest()
 
 

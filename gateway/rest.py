@@ -244,10 +244,6 @@ class Completions:
         for j in self.jobs:
             j.close()
 
-    @property
-    def cancelled(self) -> bool:
-        return any(j.cancelled for j in self.jobs)
-
 
 def _final_many(dones: list[dict], rid: str, created: int, model: str, chat: bool, pair=None) -> dict:
     """n completions in one response: a choice each; usage counts the prompt once and every choice's
