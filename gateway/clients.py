@@ -105,11 +105,17 @@ class RemoteVerifier(_Remote):
                        verifier_pb2.GetVerifierTokenizerRequest(), 60)
         return {f.name: f.content for f in r.files}, r.tokenizer_digest
 
-    def sync(self, sid, ids):
+    def sync(self, sid, ids, prefill: bool = False):
         """Create or align session `sid` on the verifier with the full history; (reused entries, state)."""
         r = self._call("SyncVerifierSession", self.stub.SyncVerifierSession,
-                       verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids))
+                       verifier_pb2.SyncVerifierSessionRequest(session_id=sid, token_ids=ids, prefill=prefill))
         return r.reused_tokens, wire.expect_from_proto(r.context)
+
+    def fork(self, src, dst):
+        """Session `dst` on the verifier starts as a copy of `src` (cache shared); (shared entries, state)."""
+        r = self._call("ForkVerifierSession", self.stub.ForkVerifierSession,
+                       verifier_pb2.ForkVerifierSessionRequest(source_session_id=src, session_id=dst))
+        return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def verify(self, sid, expect, drafts, q_rows, round_index, params, seed, top_logprobs: int = -1) -> VerifyReply:
         """Verify the drafts on the verifier (one forward, lossless acceptance); see VerifierPort.verify."""
@@ -163,11 +169,17 @@ class RemoteDrafter(_Remote):
                                                            mask=wire.pack_mask(mask)))
         return r.allowed_count
 
-    def sync(self, sid, ids):
+    def sync(self, sid, ids, prefill: bool = False):
         """Create or align session `sid` on the drafter with the full history; (reused entries, state)."""
         r = self._call("SyncDrafterSession", self.stub.SyncDrafterSession,
-                       drafter_pb2.SyncDrafterSessionRequest(session_id=sid, token_ids=ids))
+                       drafter_pb2.SyncDrafterSessionRequest(session_id=sid, token_ids=ids, prefill=prefill))
         return r.reused_tokens, wire.expect_from_proto(r.context)
+
+    def fork(self, src, dst):
+        """Session `dst` on the drafter starts as a copy of `src` (cache shared); (shared entries, state)."""
+        r = self._call("ForkDrafterSession", self.stub.ForkDrafterSession,
+                       drafter_pb2.ForkDrafterSessionRequest(source_session_id=src, session_id=dst))
+        return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
