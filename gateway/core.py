@@ -9,7 +9,7 @@ import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -28,6 +28,7 @@ from crossdraft.errors import (
 )
 from crossdraft.policy import DraftConfig
 from crossdraft.sampling import SamplingParams
+from crossdraft.tls import TLSConfig
 from crossdraft.vocab import TokenPair
 
 from .sessions import RedisSessionStore, Session
@@ -67,6 +68,11 @@ class GatewayConfig:
     max_concurrent_requests: int = 256  # generations running at once; more wait in the queue
     max_queued_requests: int = 256  # generations waiting for a slot; more are refused (429 / RESOURCE_EXHAUSTED)
     queue_timeout_s: float = 30.0  # a queued generation that gets no slot in this long is refused
+    tls: TLSConfig = TLSConfig()  # public side: certificate + key -> HTTPS and gRPC over TLS
+    # to the model servers: their CA (turns TLS on), the gateway's client certificate, the expected name
+    upstream_tls: TLSConfig = TLSConfig(prefix="upstream_tls")
+    redis_password: str = field(default="", repr=False)  # Redis AUTH (--redis-password-file or env), never shown
+    redis_tls_ca_file: str = ""  # CA of a rediss:// server's certificate (default: system roots)
 
 
 OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
