@@ -382,6 +382,46 @@ def _sse(jobs: Completions, ctx, span, rid: str, created: int, model: str, chat:
         span.end()
 
 
+_END = object()
+
+
+async def _in_threads_then_close(gen):
+    """Iterate a sync generator in worker threads (as Starlette does with one) and, however the
+    iteration ends (done, an error, the task cancelled), close it in a worker thread at once."""
+    try:
+        while True:
+            item = await anyio.to_thread.run_sync(next, gen, _END)
+            if item is _END:
+                return
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(gen.close)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse over a sync generator that is closed as soon as the response ends,
+    also when the client goes away.
+
+    Starlette's own StreamingResponse never closes the generator of a client that disconnects:
+    it is left to the garbage collector, whose finalizers run in whatever thread happens to trigger
+    a collection, at any point of its code. The generator's cleanup (cancel the jobs, give back
+    the admission slot and the placement counts, end the one-off sessions on the model servers)
+    then ran inside unrelated code -- once inside ``Placement.choose`` on the event loop, while it
+    held the placement lock that the cleanup takes again: the gateway deadlocked (found by
+    benchmarks/soak.py). Here the cleanup runs in a worker thread before the response returns."""
+
+    def __init__(self, content, **kw):
+        super().__init__(_in_threads_then_close(iter(content)), **kw)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
 async def _http_error(request: Request, exc: HTTPException):
     # unknown paths (404) and wrong methods (405) answer in the same JSON error shape as the rest
     etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -485,9 +525,10 @@ class RestApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return StreamingResponse(_sse(jobs, ctx, span, rid, created, g.model_name, chat, include_usage, g.pair),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ClosingStreamingResponse(_sse(jobs, ctx, span, rid, created, g.model_name, chat, include_usage,
+                                                 g.pair),
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         outs: list[dict] = [{} for _ in jobs.jobs]
 
