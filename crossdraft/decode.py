@@ -193,7 +193,10 @@ class _Request:
 
     def drafter_failed(self, e: Exception) -> None:
         self.spec = False
-        self.stats.drafter_fallback, self.stats.fallback_reason = True, str(e)
+        reason = str(e)
+        if isinstance(e, InvalidArgument):  # e.g. its context is shorter, or its tokens more, than the target's
+            reason = f"the drafter refused the request ({reason})"
+        self.stats.drafter_fallback, self.stats.fallback_reason = True, reason
 
 
 @dataclass
@@ -330,7 +333,9 @@ class Decoder:
                 stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
                 stats.cost_model = "measured" if req.policy.measured else "static"
-            except (Unavailable, ResourceExhausted) as e:
+            except (Unavailable, ResourceExhausted, InvalidArgument) as e:
+                # the drafter is optional: whatever it cannot do, the target does alone (the request
+                # itself was checked against the target, which is what decides the output)
                 req.drafter_failed(e)
         if not req.spec:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
@@ -430,7 +435,7 @@ class Decoder:
         toks: list = []
         try:
             toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode)
-        except (Unavailable, ResourceExhausted) as e:  # the request goes on target-only
+        except (Unavailable, ResourceExhausted, InvalidArgument) as e:  # the request goes on target-only
             req.drafter_failed(e)
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
         d_prop = [t.id for t in toks]

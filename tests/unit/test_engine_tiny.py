@@ -351,3 +351,27 @@ def test_tli_sampling_in_shared_batches_matches_target_only_distribution(tli_no_
     # the forwards really were shared
     assert vb.scheduler.stats.rows > 1.5 * vb.scheduler.stats.batches
     assert db.scheduler.stats.rows > 1.5 * db.scheduler.stats.batches
+
+
+@pytest.mark.parametrize("where", ["at the start", "mid-request"])
+def test_a_drafter_whose_context_runs_out_falls_back_instead_of_failing(target, drafter, tmp_path_factory, where):
+    """The drafter's context can be shorter than the target's, and its tokenizer may spell the same
+    text in more tokens: a request that fits the target's context must not fail because the drafter
+    cannot hold it. The drafter is dropped -- when the prompt is already too long for it, or when its
+    history outgrows it mid-request -- and the output is the target-only one. Found by
+    benchmarks/soak.py: chat sessions on the tiny models, whose drafter spells a conversation in
+    ~30% more tokens, failed with "token_ids: N tokens exceed the model's context"."""
+    eng = Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+    prompt = PROMPTS[3]
+    n_d = len(eng.pair.encode_drafter(prompt))
+    eng.drafter_worker.max_context = n_d - 1 if where == "at the start" else n_d + 6
+    ref = eng.generate(prompt, max_new_tokens=40, use_drafter=False)
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature)
+        out = eng.generate(prompt, max_new_tokens=40, params=params, seed=5)
+        assert len(out.token_ids) == 40
+        if temperature == 0:
+            assert out.token_ids == ref.token_ids
+        assert out.stats.drafter_fallback
+        assert "drafter refused" in out.stats.fallback_reason and "context" in out.stats.fallback_reason
+        assert (out.stats.drafted > 0) == (where == "mid-request")
