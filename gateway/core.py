@@ -575,10 +575,17 @@ class Job:
         self.prompt_text = prompt
         self.t_ids, self.d_ids = t_ids, d_ids
         self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
-        self.run = gw.decoder(self.v_addr, self.d_addr).run(
-            self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
-            draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
-            round_scope=self._round_scope, stop=stop, top_logprobs=top_logprobs)
+        try:
+            self.run = gw.decoder(self.v_addr, self.d_addr).run(
+                self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
+                draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
+                round_scope=self._round_scope, stop=stop, top_logprobs=top_logprobs)
+        except InvalidArgument as e:  # e.g. prompt + max_new_tokens past the context: in the caller's field names
+            name = names.get(e.field, e.field)
+            if name == e.field:
+                raise
+            msg = str(e).split(": ", 1)[-1].replace(e.field, name)
+            raise InvalidArgument(name, msg) from None
         self.prompt_tokens = len(t_ids)
         pl.acquire("verifier", self.v_addr)
         pl.acquire("drafter", self.d_addr)

@@ -74,6 +74,11 @@ REST_CASES = [
      ">= 1"),
     ("max_tokens-and-max_completion_tokens", "POST", C, P(max_completion_tokens=8), 400, "max_completion_tokens",
      "only one"),
+    # past the target's context (512 tokens): the REST field is named, not the gateway's option
+    ("max_tokens-past-the-context", "POST", C, P(max_tokens=510), 400, "max_tokens",
+     "+ max_tokens (510) exceeds the context"),
+    ("max_completion_tokens-past-the-context", "POST", C, P(max_tokens=..., max_completion_tokens=510), 400,
+     "max_completion_tokens", "+ max_completion_tokens (510) exceeds the context"),
     ("temperature-negative", "POST", C, P(temperature=-0.5), 400, "temperature", ">= 0"),
     ("temperature-string", "POST", C, P(temperature="hot"), 400, "temperature", "number"),
     ("temperature-nan", "POST", C, b'{"prompt": "abc", "max_tokens": 4, "temperature": NaN}', 400, "temperature",
