@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run generate lint test test-fast fuzz bench bench-smoke clean
+.PHONY: venv protos models run generate lint test test-fast fuzz bench bench-smoke soak clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -70,6 +70,14 @@ bench: venv
 bench-smoke: venv
 	@for m in $(TARGET) qwen2.5-coder-0.5b smollm2-135m gemma3-270m; do $(BIN)/crossdraft models pull $$m >/dev/null || exit 1; done
 	$(BIN)/python benchmarks/bench.py --smoke --target $(TARGET) $(BENCH_ARGS)
+
+# Soak test (not part of `make test` or CI): Redis, verifier, drafter and gateway on tiny models on
+# 127.0.0.1 under 16 users for 10 minutes (streamed and plain requests, chat sessions, cancellations,
+# bad requests, a drafter restart half-way); stops by itself and writes benchmarks/results/soak.json
+# and soak.png. A short run: make soak SOAK_ARGS="--duration-s 60 --tag soak-smoke --out .cache/soak"
+SOAK_ARGS ?=
+soak: venv
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
