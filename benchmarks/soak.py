@@ -37,8 +37,8 @@ the transcripts, RSS growth after warm-up (the median of the first ``--compare-s
 warm-up vs the last ``--compare-s`` seconds; the restarted drafter is measured per process).
 
 Writes ``<out>/<tag>.json`` (stamped with the commit and a dirty flag) and ``<out>/<tag>.png``.
-Exit code 0 when the three goals hold (0 unexpected, every transcript intact, RSS growth under
-``--rss-limit``), 1 otherwise.
+Exit code 0 when the goals hold (0 unexpected, every transcript intact, RSS growth of every
+service under ``--rss-limit``, no Redis keys left over), 1 otherwise.
 
 Usage: python benchmarks/soak.py [--duration-s 600] [--users 16] [--tag soak]
        python benchmarks/soak.py --duration-s 60 --tag soak-smoke --out .cache/soak   # a smoke run
