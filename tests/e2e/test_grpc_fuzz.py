@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import grpc
@@ -60,6 +61,8 @@ CALL_TIMEOUT_S = 60.0  # per call: a valid request here finishes in well under a
 
 SC = grpc.StatusCode
 ACCEPTED = {SC.INVALID_ARGUMENT, SC.NOT_FOUND, SC.FAILED_PRECONDITION, SC.RESOURCE_EXHAUSTED, SC.OUT_OF_RANGE}
+
+OUTCOMES: dict[str, Counter] = defaultdict(Counter)  # "Service.Rpc" -> status code name -> answers
 
 SERVICES = {
     "verifier": (verifier_pb2, "VerifierService", verifier_pb2_grpc.VerifierServiceStub),
@@ -496,6 +499,7 @@ def _short(req) -> str:
 
 def _judge(method, req, e: grpc.RpcError, cancelled: bool = False) -> None:
     code, details = e.code(), e.details() or ""
+    OUTCOMES[f"{method.containing_service.name}.{method.name}"][code.name] += 1
     if cancelled and code == SC.CANCELLED:
         return
     assert code in ACCEPTED, f"{method.full_name}: {code.name} {details!r}\nrequest: {_short(req)}"
@@ -510,6 +514,7 @@ def _judge(method, req, e: grpc.RpcError, cancelled: bool = False) -> None:
 
 def _check_ok(kind: str, method, req, resp, s: Servers) -> None:
     """Light checks of an OK answer."""
+    OUTCOMES[f"{method.containing_service.name}.{method.name}"]["OK"] += 1
     if isinstance(req, bytes):
         return
     if method.name == "Verify":
@@ -643,6 +648,9 @@ def test_servers_healthy_and_unchanged_after_fuzzing(servers):
         with grpc.insecure_channel(addr) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert r.status == health_pb2.HealthCheckResponse.SERVING, addr
+    print("\ngRPC fuzz outcomes (answers by status code):")
+    for name in sorted(OUTCOMES):
+        print(f"  {name:42s} " + ", ".join(f"{c} {n}" for c, n in OUTCOMES[name].most_common()))
     after = _canaries(servers)
     assert after == servers.baseline
     # the verifier canary held its history and cache: a greedy Verify on it gives the twin's answer
