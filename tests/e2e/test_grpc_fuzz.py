@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -197,6 +198,10 @@ DOUBLE = st.one_of(st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-300, 5e-3
                    st.floats())
 FLOAT = st.one_of(st.sampled_from([0.0, -1.0, 1.0, NAN, INF, -INF, 3.4e38]), st.floats(width=32))
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(WEIRD_IDS), st.text(st.characters(codec="utf-8"), max_size=300))
+# prompts near the tiny models' 512-token context: the target's byte-level BPE and the drafter's
+# SentencePiece-like tokenizer count these differently (one may overflow where the other fits)
+LONG_TEXT = st.builds(lambda c, n: c * n, st.sampled_from(["a", "ab ", "é", "日", "🙂", " ", "\n", "x\u0301"]),
+                      st.integers(100, 700))
 BYTES = st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\xff" * 8, b"\x00", b"\xc3\x28", b"\xed\xa0\x80"]))
 
 SCALARS = {
@@ -239,6 +244,7 @@ def _overrides(kind: str, s: Servers) -> dict:
         "top_p": st.one_of(st.floats(0, 1), DOUBLE),
         "repetition_penalty": st.one_of(st.floats(0, 3), DOUBLE),
         "stop_below": st.one_of(st.floats(0, 1), DOUBLE),
+        "prompt": st.one_of(TEXT, LONG_TEXT), "content": st.one_of(TEXT, LONG_TEXT),
     }
 
 
@@ -462,7 +468,7 @@ def valid_request(draw, s: Servers, kind: str, rpc: str):
         if draw(st.booleans()):
             req.session_id = _gateway_session(draw, s)
         req.prompt = draw(st.one_of(st.sampled_from([PROMPT, "x", "héllo wörld ", "日本語のテキスト", "🙂\n\t"]),
-                                    st.text(min_size=1, max_size=40)))
+                                    st.text(min_size=1, max_size=40), LONG_TEXT))
         if draw(st.booleans()):
             req.stop.extend(draw(st.lists(st.text(min_size=1, max_size=5), max_size=4)))
         if draw(st.booleans()):
@@ -638,6 +644,32 @@ def test_fuzz_rpc_wire_bytes(servers, kind, rpc):
             pass
 
     run()
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["read-on", "cancelled"])
+def test_delete_during_generate_is_not_undone(servers, cancel):
+    """Regression (found by the fuzzer): a DeleteSession while a Generate on that session was still
+    running -- or a cancelled one was finishing its round -- was undone by the generation's next
+    save, and the session came back (a CreateSession of its id then failed: "already exists")."""
+    g = servers.stubs["gateway"]
+    sid = f"fz-delete-race-{int(cancel)}"
+    g.CreateSession(gateway_pb2.CreateSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
+    opts = gateway_pb2.GenerationOptions(max_new_tokens=200, num_draft_tokens=1, adaptive_draft=False)
+    call = g.Generate(gateway_pb2.GenerateRequest(session_id=sid, prompt=PROMPT * 4, options=opts),
+                      timeout=CALL_TIMEOUT_S)
+    next(call)  # the generation is running
+    assert g.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S).existed
+    if cancel:
+        call.cancel()
+    else:
+        assert list(call)[-1].HasField("done")
+    for _ in range(20):  # a cancelled generation ends at its next round
+        with pytest.raises(grpc.RpcError) as e:
+            g.GetSession(gateway_pb2.GetSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
+        assert e.value.code() == SC.NOT_FOUND
+        time.sleep(0.05)
+    g.CreateSession(gateway_pb2.CreateSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
+    g.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
 
 
 def test_servers_healthy_and_unchanged_after_fuzzing(servers):
