@@ -330,7 +330,9 @@ class Decoder:
                 stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
                 stats.cost_model = "measured" if req.policy.measured else "static"
-            except (Unavailable, ResourceExhausted) as e:
+            except (Unavailable, ResourceExhausted, InvalidArgument) as e:
+                # InvalidArgument: the drafter cannot take this history (longer than its context in
+                # its own tokens, where the target's fit): drafting only speeds up, go on target-only
                 req.drafter_failed(e)
         if not req.spec:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
@@ -430,7 +432,7 @@ class Decoder:
         toks: list = []
         try:
             toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode)
-        except (Unavailable, ResourceExhausted) as e:  # the request goes on target-only
+        except (Unavailable, ResourceExhausted, InvalidArgument) as e:  # the request goes on target-only
             req.drafter_failed(e)
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
         d_prop = [t.id for t in toks]

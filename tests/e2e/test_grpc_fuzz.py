@@ -672,6 +672,22 @@ def test_delete_during_generate_is_not_undone(servers, cancel):
     g.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
 
 
+@pytest.mark.parametrize("spaces", [600, 500])
+def test_prompt_beyond_the_drafters_context_goes_target_only(servers, spaces):
+    """Regression (found by the fuzzer): 600 spaces are 150 target tokens but 600 drafter tokens; the
+    drafter's "token_ids: ... exceed the model's context" (at its sync; with 500 spaces at a later
+    Draft, "num_draft_tokens: ...") failed the request, naming no field of it. The target holds it:
+    the request goes on target-only, with exactly the target-only tokens."""
+    g = servers.stubs["gateway"]
+    opts = dict(max_new_tokens=16, temperature=0.0)
+    ids, text, msgs = _generate(g, prompt=" " * spaces, options=gateway_pb2.GenerationOptions(**opts))
+    ref_ids, ref_text, _ = _generate(g, prompt=" " * spaces, options=gateway_pb2.GenerationOptions(
+        use_drafter=False, **opts))
+    assert (ids, text) == (ref_ids, ref_text)
+    stats = msgs[-1].done.stats
+    assert stats.drafter_fallback and "exceed the model's context" in stats.fallback_reason, stats
+
+
 def test_servers_healthy_and_unchanged_after_fuzzing(servers):
     """Every server is up and SERVING; the canaries and a greedy generation answer exactly as before."""
     for p in servers.procs:
