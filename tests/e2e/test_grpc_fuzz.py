@@ -56,7 +56,7 @@ from crossdraft.v1 import (
 from crossdraft.workers import ids_crc32
 from tests.service_fixtures import gateway, model_server, wait_grpc_healthy, wait_http_ready
 
-MAX_EXAMPLES = int(os.environ.get("CROSSDRAFT_GRPC_FUZZ_EXAMPLES", "8"))
+MAX_EXAMPLES = int(os.environ.get("CROSSDRAFT_GRPC_FUZZ_EXAMPLES", "25"))
 RANDOM = os.environ.get("CROSSDRAFT_GRPC_FUZZ_RANDOM", "") == "1"
 CALL_TIMEOUT_S = 60.0  # per call: a valid request here finishes in well under a second or two
 
@@ -64,6 +64,7 @@ SC = grpc.StatusCode
 ACCEPTED = {SC.INVALID_ARGUMENT, SC.NOT_FOUND, SC.FAILED_PRECONDITION, SC.RESOURCE_EXHAUSTED, SC.OUT_OF_RANGE}
 
 OUTCOMES: dict[str, Counter] = defaultdict(Counter)  # "Service.Rpc" -> status code name -> answers
+EXAMPLE_DETAILS: dict[tuple[str, str], str] = {}  # (Service.Rpc, status code name) -> the first error's details
 
 SERVICES = {
     "verifier": (verifier_pb2, "VerifierService", verifier_pb2_grpc.VerifierServiceStub),
@@ -263,6 +264,11 @@ def random_message(draw, desc, overrides: dict, depth: int = 0):
     return m
 
 
+def _repeated(elem, depth: int):
+    """A repeated scalar field: a short list, or (not inside many copies of a message) a huge one."""
+    return st.one_of(st.lists(elem, max_size=12), _huge(elem)) if depth < 3 else st.lists(elem, max_size=12)
+
+
 def _field_values(fd, overrides: dict, depth: int):
     if fd.type == FD.TYPE_MESSAGE:
         elem = random_message(fd.message_type, overrides, depth + 1) if depth < 2 else st.just(
@@ -272,8 +278,11 @@ def _field_values(fd, overrides: dict, depth: int):
     if not fd.is_repeated:
         return elem
     if fd.type == FD.TYPE_MESSAGE:
-        return st.one_of(st.lists(elem, max_size=5), st.builds(lambda x, n: [x] * n, elem, st.sampled_from([64, 2000])))
-    return st.one_of(st.lists(elem, max_size=12), _huge(elem))
+        # many copies of one small message (its own repeated fields not huge: 2000 x 100k ids is 1 GB)
+        small = random_message(fd.message_type, overrides, 3)
+        return st.one_of(st.lists(elem, max_size=5),
+                         st.builds(lambda x, n: [x] * n, small, st.sampled_from([64, 2000])))
+    return _repeated(elem, depth)
 
 
 def _set(m, fd, value) -> None:
@@ -506,6 +515,7 @@ def _short(req) -> str:
 def _judge(method, req, e: grpc.RpcError, cancelled: bool = False) -> None:
     code, details = e.code(), e.details() or ""
     OUTCOMES[f"{method.containing_service.name}.{method.name}"][code.name] += 1
+    EXAMPLE_DETAILS.setdefault((f"{method.containing_service.name}.{method.name}", code.name), details[:150])
     if cancelled and code == SC.CANCELLED:
         return
     assert code in ACCEPTED, f"{method.full_name}: {code.name} {details!r}\nrequest: {_short(req)}"
@@ -699,6 +709,10 @@ def test_servers_healthy_and_unchanged_after_fuzzing(servers):
     print("\ngRPC fuzz outcomes (answers by status code):")
     for name in sorted(OUTCOMES):
         print(f"  {name:42s} " + ", ".join(f"{c} {n}" for c, n in OUTCOMES[name].most_common()))
+    print("the first answer of each error code but INVALID_ARGUMENT:")
+    for (name, code), details in sorted(EXAMPLE_DETAILS.items()):
+        if code != "INVALID_ARGUMENT":
+            print(f"  {name} {code}: {details}")
     after = _canaries(servers)
     assert after == servers.baseline
     # the verifier canary held its history and cache: a greedy Verify on it gives the twin's answer
