@@ -656,6 +656,63 @@ def test_fuzz_rpc_wire_bytes(servers, kind, rpc):
     run()
 
 
+def test_forked_sessions_answer_as_fresh_ones(servers):
+    """Property: a session forked from another (shared KV blocks, copy on write) and its source, each
+    then written on its own, answer a greedy Verify / Draft exactly like sessions synced from scratch
+    with the same history -- neither write leaks into the other's cache."""
+    v, d = servers.stubs["verifier"], servers.stubs["drafter"]
+
+    def verify(sid, ids, drafts):
+        r = v.Verify(verifier_pb2.VerifyRequest(session_id=sid, expect=_check(ids), draft_token_ids=drafts,
+                                                params=GREEDY), timeout=CALL_TIMEOUT_S)
+        return r.num_accepted, r.next_token_id, r.context.length, r.context.crc32
+
+    def draft(sid, ids, keep, append):
+        after = ids[:keep] + append
+        r = d.Draft(drafter_pb2.DraftRequest(session_id=sid, edit=drafter_pb2.TokenEdit(keep=keep, append=append),
+                                             expect=_check(after), num_draft_tokens=4, params=GREEDY),
+                    timeout=CALL_TIMEOUT_S)
+        return [m.token.token_id for m in r if m.HasField("token")]
+
+    @given(data=st.data())
+    @settings(FUZZ_SETTINGS, max_examples=max(4, MAX_EXAMPLES // 3))  # ~14 calls an example
+    def run(data):
+        prefill = data.draw(st.booleans(), label="prefill")
+        ids = data.draw(st.lists(st.integers(0, servers.v_vocab - 1), min_size=1, max_size=80), label="ids")
+        d1, d2 = (data.draw(st.lists(st.integers(0, servers.v_vocab - 1), max_size=5)) for _ in range(2))
+        v.SyncVerifierSession(verifier_pb2.SyncVerifierSessionRequest(session_id="fk-a", token_ids=ids,
+                                                                      prefill=prefill), timeout=CALL_TIMEOUT_S)
+        v.ForkVerifierSession(verifier_pb2.ForkVerifierSessionRequest(source_session_id="fk-a", session_id="fk-b"),
+                              timeout=CALL_TIMEOUT_S)
+        got = (verify("fk-b", ids, d1), verify("fk-a", ids, d2))
+        want = []
+        for drafts in (d1, d2):
+            v.SyncVerifierSession(verifier_pb2.SyncVerifierSessionRequest(session_id="fk-ref", token_ids=ids),
+                                  timeout=CALL_TIMEOUT_S)
+            want.append(verify("fk-ref", ids, drafts))
+            v.EndVerifierSession(verifier_pb2.EndVerifierSessionRequest(session_id="fk-ref"), timeout=CALL_TIMEOUT_S)
+        assert got == tuple(want)
+
+        dids = data.draw(st.lists(st.integers(0, servers.d_vocab - 1), min_size=1, max_size=80), label="dids")
+        edits = [(data.draw(st.integers(0, len(dids))), data.draw(st.lists(st.integers(0, servers.d_vocab - 1),
+                                                                           min_size=1, max_size=4)))
+                 for _ in range(2)]
+        d.SyncDrafterSession(drafter_pb2.SyncDrafterSessionRequest(session_id="fk-a", token_ids=dids,
+                                                                   prefill=prefill), timeout=CALL_TIMEOUT_S)
+        d.ForkDrafterSession(drafter_pb2.ForkDrafterSessionRequest(source_session_id="fk-a", session_id="fk-b"),
+                             timeout=CALL_TIMEOUT_S)
+        got = (draft("fk-b", dids, *edits[0]), draft("fk-a", dids, *edits[1]))
+        want = []
+        for keep, append in edits:
+            d.SyncDrafterSession(drafter_pb2.SyncDrafterSessionRequest(session_id="fk-ref", token_ids=dids),
+                                 timeout=CALL_TIMEOUT_S)
+            want.append(draft("fk-ref", dids, keep, append))
+            d.EndDrafterSession(drafter_pb2.EndDrafterSessionRequest(session_id="fk-ref"), timeout=CALL_TIMEOUT_S)
+        assert got == tuple(want)
+
+    run()
+
+
 @pytest.mark.parametrize("cancel", [False, True], ids=["read-on", "cancelled"])
 def test_delete_during_generate_is_not_undone(servers, cancel):
     """Regression (found by the fuzzer): a DeleteSession while a Generate on that session was still
