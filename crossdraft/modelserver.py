@@ -23,7 +23,7 @@ log = logging.getLogger("crossdraft.server")
 class ModelServerConfig:
     """Configuration of a drafter or verifier server (flags override CROSSDRAFT_* env vars)."""
 
-    model: str  # catalog name, local HF directory or .gguf file
+    model: str  # catalog name, local HF directory, .gguf file or Hub id org/name[@revision]
     dtype: str | None = None  # float32 | bfloat16 | float16 (default: the fastest for this device)
     device: str = "cpu"  # cpu, cuda, cuda:N
     host: str = "0.0.0.0"  # address to bind
@@ -40,10 +40,16 @@ class ModelServerConfig:
     prefill_chunk: int = 512  # long prefills/syncs run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic)
     kv_cache_memory_fraction: float = 0.0  # automatic pool size's share of free memory (0 = per device)
+    revision: str | None = None  # Hub ids: branch, tag or commit (same as model@REV)
+    trust_remote_code: bool = False  # Hub ids / HF dirs: run the repo's own modelling code
 
 
 def _env(name: str, default):
     return os.environ.get(f"CROSSDRAFT_{name}", default)
+
+
+def _bool_env(v) -> bool:
+    return str(v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _wait_ms(v) -> float | None:
@@ -58,7 +64,12 @@ def _wait_ms(v) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", default=_env("MODEL", None),
-                   help="catalog name, HF directory or .gguf (env CROSSDRAFT_MODEL)")
+                   help="catalog name, HF directory, .gguf or Hugging Face Hub id org/name[@revision] "
+                        "(env CROSSDRAFT_MODEL)")
+    p.add_argument("--revision", default=_env("REVISION", None) or None,
+                   help="branch, tag or commit of a Hub-id model, the same as org/name@REV (env CROSSDRAFT_REVISION)")
+    p.add_argument("--trust-remote-code", action="store_true", default=_bool_env(_env("TRUST_REMOTE_CODE", "")),
+                   help="run the modelling code a Hub repo ships (off by default; env CROSSDRAFT_TRUST_REMOTE_CODE)")
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu | cuda | cuda:N (env CROSSDRAFT_DEVICE)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
@@ -103,7 +114,9 @@ def config_from_args(a) -> ModelServerConfig:
                             batch_wait_ms=getattr(a, "batch_wait_ms", None),
                             prefill_chunk=getattr(a, "prefill_chunk", 512),
                             kv_cache_tokens=getattr(a, "kv_cache_tokens", 0),
-                            kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0))
+                            kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0),
+                            revision=getattr(a, "revision", None) or None,
+                            trust_remote_code=bool(getattr(a, "trust_remote_code", False)))
     batch_config(cfg)  # validates the batching flags
     return cfg
 
@@ -176,7 +189,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                 time.sleep(delay)
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
-            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)
+            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
+                                trust_remote_code=cfg.trust_remote_code)
             worker = make_worker(loaded)
             ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
@@ -190,7 +204,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             export_batch_metrics(kind, worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
-            print(f"crossdraft {kind}: serving {loaded.name} ({dtype}) on {cfg.host}:{port}", flush=True)
+            at = f"@{loaded.revision}" if loaded.revision else ""
+            print(f"crossdraft {kind}: serving {loaded.name}{at} ({dtype}) on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible
             servicer.state.error = f"model failed to load: {type(e).__name__}: {e}"
             log.error(servicer.state.error)
