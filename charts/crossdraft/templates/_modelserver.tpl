@@ -6,6 +6,8 @@ include "crossdraft.modelServerPodTemplate" (list $ "drafter").
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
 {{- $v := index $root.Values $comp -}}
+{{- $hubModel := include "crossdraft.isHubId" $v.model -}}
+{{- $download := and $hubModel $root.Values.hub.download.enabled -}}
 metadata:
   labels:
     {{- include "crossdraft.labels" . | nindent 4 }}
@@ -31,6 +33,38 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
+  {{- if $download }}
+  # Downloads the Hub model into the cache once, before the server starts (startup probes then
+  # cover only loading); a model already in the cache costs one revision lookup.
+  initContainers:
+    - name: download-model
+      image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
+      imagePullPolicy: {{ include "crossdraft.pullPolicy" (list $root $v.image) }}
+      command: ["python", "-m", "crossdraft.cli", "models", "download"]
+      env:
+        - name: CROSSDRAFT_MODEL
+          valueFrom:
+            configMapKeyRef:
+              name: {{ include "crossdraft.modelsConfigName" $root }}
+              key: {{ $comp }}-model
+        - name: CROSSDRAFT_HOME
+          value: /models
+        - name: HOME
+          value: /tmp
+        {{- include "crossdraft.hubEnv" . | nindent 8 }}
+      resources:
+        {{- toYaml $root.Values.hub.download.resources | nindent 8 }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: models
+          mountPath: /models
+        - name: tmp
+          mountPath: /tmp
+        {{- with (include "crossdraft.hubMounts" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
+  {{- end }}
   containers:
     - name: {{ $comp }}
       image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
@@ -82,6 +116,11 @@ spec:
           value: /models
         - name: HOME
           value: /tmp
+        {{- include "crossdraft.hubEnv" . | nindent 8 }}
+        {{- if $download }}
+        - name: HF_HUB_OFFLINE
+          value: "1"
+        {{- end }}
         {{- with (include "crossdraft.otelEnv" . | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -120,6 +159,9 @@ spec:
           mountPath: /tmp
         - name: dshm
           mountPath: /dev/shm
+        {{- with (include "crossdraft.hubMounts" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
   volumes:
     {{- if not (and (eq $comp "verifier") $v.modelCache.perPodClaim.enabled (not $v.modelCache.existingClaim)) }}
     {{- include "crossdraft.modelCacheVolume" $v.modelCache | nindent 4 }}
@@ -130,6 +172,9 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: 1Gi
+    {{- with (include "crossdraft.hubVolumes" $root | trim) }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- with $v.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
