@@ -186,6 +186,9 @@ def translate_error(spec: HubSpec, e: BaseException) -> ModelError:
                             "check the id (org/name)")
     if isinstance(e, E.DisabledRepoError):
         return ModelError(f"Hugging Face model {spec.repo_id!r} has been disabled on the Hub; pick another model")
+    if isinstance(e, E.IncompleteSnapshotError):
+        return ModelError(f"the cached snapshot of Hugging Face model {str(spec)!r} is incomplete (an interrupted "
+                          f"download?) and the Hub could not be reached to finish it: {e}")
     if isinstance(e, E.LocalEntryNotFoundError):
         return _offline_error(spec)
     if isinstance(e, (E.OfflineModeIsEnabled, ConnectionError, TimeoutError)):
@@ -219,9 +222,19 @@ def fetch(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool = Fals
     E = _hub_errors()
     hit = cached_snapshot(spec)
     if is_offline():
-        try:  # huggingface_hub's own resolution: refs/<branch or tag> -> snapshots/<commit>
+        if hit is not None and weights and not _has_weights(hit[1]):
+            raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
+                             f"({hit[1]}: no *.safetensors or *.bin); {_download_hint(spec)}")
+        files = [p.name for p in hit[1].iterdir()] if hit is not None else None
+        try:  # huggingface_hub's own resolution: refs/<branch or tag> -> snapshots/<commit>, checked
+            # complete against the file listing cached at download time (for the files we fetch)
             snap = Path(snapshot_download(spec.repo_id, revision=spec.revision, cache_dir=str(hub_cache_dir()),
-                                          local_files_only=True))
+                                          local_files_only=True, ignore_patterns=IGNORE_PATTERNS,
+                                          allow_patterns=_allow_patterns(files, weights=weights,
+                                                                         trust_remote_code=trust_remote_code)))
+        except E.IncompleteSnapshotError as e:
+            raise ModelError(f"the cached snapshot of Hugging Face model {str(spec)!r} is incomplete (an interrupted "
+                             f"download?): {e}; {_download_hint(spec)}") from e
         except E.LocalEntryNotFoundError as e:
             raise _offline_error(spec) from e
         except E.HFValidationError as e:
@@ -242,9 +255,11 @@ def fetch(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool = Fals
     if not progress:
         disable_progress_bars()
     try:
-        info = HfApi(token=token).model_info(spec.repo_id, revision=spec.revision)
+        endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, like the cache and the offline switch
+        info = HfApi(token=token, endpoint=endpoint).model_info(spec.repo_id, revision=spec.revision)
         files = [s.rfilename for s in (info.siblings or [])]
         path = snapshot_download(spec.repo_id, revision=spec.revision, cache_dir=str(hub_cache_dir()), token=token,
+                                 endpoint=endpoint,
                                  allow_patterns=_allow_patterns(files, weights=weights,
                                                                 trust_remote_code=trust_remote_code),
                                  ignore_patterns=IGNORE_PATTERNS)

@@ -239,7 +239,7 @@ def fake_hub(monkeypatch, tmp_path):
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    monkeypatch.setattr(C, "ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -288,7 +288,7 @@ def test_hub_unreachable_and_nothing_cached(monkeypatch, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(C, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -307,7 +307,7 @@ def test_hub_unreachable_but_cached_uses_the_cache(hf_home, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(C, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -387,3 +387,136 @@ def test_cli_errors_are_clear(hf_home):
     r = _cli(["models", "download", T_REPO, "--revision", "v1"], env)  # offline: resolves from the cache
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith(f"{T_REPO}@{C1}")
+
+
+# ------------------------------------------------------------------------------------- a download
+
+
+class _ServingHub(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the Hub that serves one repo (``files``: name -> bytes) at ``commit``: the API
+    calls huggingface_hub makes for a download (model info, the file tree) and the files."""
+
+    repo = "fake-org/real"
+    commit = fake_commit("served")
+    files: dict[str, bytes] = {}
+    requests: list[str] = []
+
+    def _send(self, status, body=b"", headers=None, head=False):
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _route(self, head=False):
+        import hashlib
+
+        path = self.path.split("?")[0]
+        self.requests.append(f"{self.command} {path}")
+        api = f"/api/models/{self.repo}"
+        if path in (api, f"{api}/revision/main"):
+            body = json.dumps({"id": self.repo, "modelId": self.repo, "sha": self.commit, "private": False,
+                               "siblings": [{"rfilename": f} for f in sorted(self.files)]}).encode()
+            return self._send(200, body, {"Content-Type": "application/json"}, head)
+        if path.startswith(f"{api}/tree/{self.commit}"):
+            body = json.dumps([{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                               for f, b in sorted(self.files.items())]).encode()
+            return self._send(200, body, {"Content-Type": "application/json"}, head)
+        prefix = f"/{self.repo}/resolve/{self.commit}/"
+        if path.startswith(prefix) and path[len(prefix):] in self.files:
+            data = self.files[path[len(prefix):]]
+            etag = hashlib.sha256(data).hexdigest()
+            return self._send(200, data, {"X-Repo-Commit": self.commit, "ETag": f'"{etag}"',
+                                          "Content-Type": "application/octet-stream"}, head)
+        return self._send(404, b"{}", {"X-Error-Code": "EntryNotFound"}, head)
+
+    def do_GET(self):  # noqa: N802
+        self._route()
+
+    def do_HEAD(self):  # noqa: N802
+        self._route(head=True)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_then_offline(hf_home, monkeypatch, tmp_path):
+    """The online path end to end against a local stand-in of the Hub (the real one is unreachable):
+    one weights format and the tokenizer are fetched, nothing else; refs/main is written, so the same
+    id then loads with HF_HUB_OFFLINE=1."""
+    import huggingface_hub.constants as C
+
+    src = hf_home / "hub" / "models--tiny-org--tiny-target" / "snapshots" / C1
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    files["pytorch_model.bin"] = b"not fetched: safetensors are there"
+    files["model.onnx"] = b"not fetched"
+    files["original/consolidated.pth"] = b"not fetched"
+    files["modeling_custom.py"] = b"raise SystemExit('not fetched without trust_remote_code')"
+    _ServingHub.files, _ServingHub.requests = files, []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ServingHub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+        monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        cache = tmp_path / "hf" / "hub"
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+        assert M.resolve_model("fake-org/real").revision == ""  # not cached yet: resolved at load
+        lm = M.load_model("fake-org/real")
+        assert (lm.name, lm.revision) == ("fake-org/real", _ServingHub.commit)
+        snap = cache / "models--fake-org--real" / "snapshots" / _ServingHub.commit
+        got = {p.name for p in snap.rglob("*") if not p.is_dir()}
+        assert "model.safetensors" in got and "config.json" in got and any(g.startswith("tokenizer") for g in got)
+        assert not {"pytorch_model.bin", "model.onnx", "consolidated.pth", "modeling_custom.py"} & got
+        assert (cache / "models--fake-org--real" / "refs" / "main").read_text() == _ServingHub.commit
+        assert any(r.startswith("GET /fake-org/real/resolve/") for r in _ServingHub.requests)
+    finally:
+        srv.shutdown()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is gone: the cache answers
+    again = M.load_model("fake-org/real")
+    assert again.revision == _ServingHub.commit
+    # a file lost from the snapshot (an interrupted download): huggingface_hub's cached file listing says so
+    (snap / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelError, match="incomplete"):
+        M.load_model("fake-org/real")
+
+
+# ------------------------------------------------------------------------------------- flags and env
+
+
+def test_model_server_revision_flag_and_env(monkeypatch):
+    import argparse
+
+    from crossdraft import modelserver
+
+    def cfg(argv):
+        p = argparse.ArgumentParser()
+        modelserver.add_arguments(p, 50061)
+        return modelserver.config_from_args(p.parse_args(argv))
+
+    monkeypatch.delenv("CROSSDRAFT_REVISION", raising=False)
+    monkeypatch.delenv("CROSSDRAFT_TRUST_REMOTE_CODE", raising=False)
+    c = cfg(["--model", "org/name"])
+    assert (c.revision, c.trust_remote_code) == (None, False)
+    c = cfg(["--model", "org/name", "--revision", "v2", "--trust-remote-code"])
+    assert (c.revision, c.trust_remote_code) == ("v2", True)
+    monkeypatch.setenv("CROSSDRAFT_REVISION", C1)
+    monkeypatch.setenv("CROSSDRAFT_TRUST_REMOTE_CODE", "true")
+    c = cfg(["--model", "org/name"])
+    assert (c.revision, c.trust_remote_code) == (C1, True)
+
+
+def test_up_passes_revisions_to_the_model_servers():
+    from crossdraft.up import UpConfig, child_commands
+
+    cmds = child_commands(UpConfig(target="org/t", drafter="org/d@main", target_revision="v1", trust_remote_code=True,
+                                   redis_url="redis://127.0.0.1:1/0", http_port=1001, grpc_port=1002,
+                                   drafter_port=1003, verifier_port=1004))
+    v, d = cmds["verifier"], cmds["drafter"]
+    assert v[v.index("--model") + 1] == "org/t" and v[v.index("--revision") + 1] == "v1"
+    assert "--trust-remote-code" in v and "--trust-remote-code" in d
+    assert d[d.index("--model") + 1] == "org/d@main" and "--revision" not in d
