@@ -148,8 +148,9 @@ def _hub_errors():
 
 
 def _download_hint(spec: HubSpec) -> str:
-    return (f"download it where the Hub is reachable (`crossdraft models download {spec}`, or the chart's init "
-            f"container) into this cache ({hub_cache_dir()}), or unset HF_HUB_OFFLINE")
+    hint = (f"download it where the Hub is reachable (`crossdraft models download {spec}`, or the chart's init "
+            f"container) into this cache ({hub_cache_dir()})")
+    return hint + (", or unset HF_HUB_OFFLINE" if is_offline() else "")
 
 
 def _offline_error(spec: HubSpec, why: str = "") -> ModelError:
@@ -168,10 +169,12 @@ def translate_error(spec: HubSpec, e: BaseException) -> ModelError:
     """huggingface_hub's exception -> a crossdraft error naming the model and what to do."""
     E = _hub_errors()
     url = f"https://huggingface.co/{spec.repo_id}"
-    token_set = bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-                     or Path(os.environ.get("HF_TOKEN_PATH") or hub_cache_dir().parent / "token").is_file())
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    token_file = Path(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home, "token")).expanduser()
+    token_set = bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or token_file.is_file())
     if isinstance(e, E.GatedRepoError):
-        fix = ("the token in HF_TOKEN has not been granted access: accept the model's license at " + url
+        fix = ("the token given (HF_TOKEN / HF_TOKEN_PATH) has not been granted access: accept the model's license "
+               f"at {url} with that account"
                if token_set else
                f"accept its license at {url}, then give a token with access: HF_TOKEN (or HF_TOKEN_PATH; in the "
                "chart hfTokenSecret)")
