@@ -19,6 +19,7 @@ from tests.service_fixtures import Proc, free_port, gateway, save_tiny_pair, wai
 
 T_REPO, D_REPO = "tiny-org/tiny-target", "tiny-org/tiny-drafter"
 C_MAIN, C_V1, D1 = fake_commit("e2e-target-main"), fake_commit("e2e-target-v1"), fake_commit("e2e-drafter")
+D2 = fake_commit("e2e-drafter-2")
 
 
 def _server(kind: str, args: list[str], logs, env) -> tuple[Proc, str]:
@@ -36,6 +37,7 @@ def hub_pods(tmp_path_factory):
     add_snapshot(home / "hub", T_REPO, t_dir, C_MAIN, refs=("main",))
     add_snapshot(home / "hub", T_REPO, t_dir, C_V1, refs=("v1",))
     add_snapshot(home / "hub", D_REPO, d_dir, D1)
+    add_snapshot(home / "hub", D_REPO, d_dir, D2, refs=("v2",))
     env = hub_env(home)
     logs = root / "logs"
     logs.mkdir()
@@ -48,9 +50,11 @@ def hub_pods(tmp_path_factory):
         procs.append(v_v1)
         d, a_d = _server("drafter", ["--model", f"{D_REPO}@{D1}"], logs, env)
         procs.append(d)
-        for p, a in ((v_main, a_main), (v_v1, a_v1), (d, a_d)):
+        d2, a_d2 = _server("drafter", ["--model", D_REPO, "--revision", "v2"], logs, env)  # -> D2
+        procs.append(d2)
+        for p, a in ((v_main, a_main), (v_v1, a_v1), (d, a_d), (d2, a_d2)):
             wait_grpc_healthy(a, p)
-        yield {"redis": redis, "main": a_main, "v1": a_v1, "drafter": a_d, "logs": logs, "env": env,
+        yield {"redis": redis, "main": a_main, "v1": a_v1, "drafter": a_d, "drafter2": a_d2, "logs": logs, "env": env,
                "procs": {"main": v_main, "v1": v_v1, "drafter": d}}
     finally:
         for p in reversed(procs):
@@ -134,3 +138,38 @@ def test_server_with_an_uncached_or_unknown_revision_fails_clearly(hub_pods):
             p.kill()
         assert p.p.returncode != 0
         assert needle in p.tail(), p.tail()
+
+
+def test_a_drafter_of_another_revision_is_not_paired(hub_pods):
+    """Two drafters serve commits D1 and D2 of the same model: a session recorded on the one the
+    gateway did not pair runs target-only and says why, instead of drafting from other weights."""
+    from gateway.core import GatewayConfig
+    from gateway.discovery import Pool
+    from gateway.server import build_gateway
+
+    a_main, a_d, a_d2 = hub_pods["main"], hub_pods["drafter"], hub_pods["drafter2"]
+    cfg = GatewayConfig(verifier=a_main, drafter=f"{a_d},{a_d2}", redis_url=hub_pods["redis"].url,
+                        connect_timeout_s=60)
+    gw = build_gateway(cfg, pools=(Pool("verifier", [a_main]), Pool("drafter", [a_d, a_d2])))
+    assert gw.drafter_revision in (D1, D2)
+    paired, other = (a_d, a_d2) if gw.drafter_revision == D1 else (a_d2, a_d)
+    assert gw.revision_conflict("drafter", paired) is None
+    assert "one revision" in gw.revision_conflict("drafter", other)
+    ok, details = gw.readiness(max_age_s=0)
+    assert ok, details  # drafters do not gate readiness ...
+    assert details["drafters"][other].startswith("REFUSED")  # ... but the refused one is reported
+
+    def turn(sid, drafter_addr):
+        s = gw.get_session(sid)
+        s.drafter_address = drafter_addr  # where an earlier turn left it
+        gw.store.save(s)
+        return list(gw.start(session_id=sid, prompt="def add(a, b):", messages=None, options={}).events())[-1]
+
+    sid = gw.create_session({"max_new_tokens": 6, "temperature": 0}).session_id
+    done = turn(sid, other)
+    assert done["stats"]["drafter_fallback"] and "revision" in done["stats"]["fallback_reason"]
+    assert done["stats"]["drafted"] == 0
+    sid2 = gw.create_session({"max_new_tokens": 6, "temperature": 0}).session_id
+    done2 = turn(sid2, paired)
+    assert not done2["stats"]["drafter_fallback"] and done2["stats"]["drafted"] > 0
+    assert done2["token_ids"] == done["token_ids"]  # greedy: the same tokens either way
