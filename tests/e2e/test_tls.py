@@ -134,9 +134,9 @@ def test_requests_over_tls_equal_the_plaintext_stack_token_for_token(stack, tls_
     with Client(tls_stack["grpc"], tls_ca_file=pki.ca_file, tls_server_name="localhost") as c:
         assert c.generate(PROMPT, max_new_tokens=20).token_ids == want
     # the CLI, with the CA bundle
-    out = subprocess.run([sys.executable, "-m", "crossdraft.cli", "request", "--gateway", tls_stack["grpc"],
-                          "--prompt", PROMPT, "--max-new-tokens", "20", "--tls-ca-file", pki.ca_file, "--tls-server-name", "localhost",
-                          "--json"], capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "crossdraft.cli", "request", "--gateway", tls_stack["grpc"], "--prompt", PROMPT,
+           "--max-new-tokens", "20", "--tls-ca-file", pki.ca_file, "--tls-server-name", "localhost", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["token_ids"] == want
 
