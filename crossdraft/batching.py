@@ -152,6 +152,7 @@ class BatchScheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._releases: list[KVSlot] = []
+        self._ops: list = []  # pool operations callers asked the loop thread to run (forks)
         # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
         self._seen: dict[int, list] = {}
         self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
@@ -175,6 +176,42 @@ class BatchScheduler:
             with self._cv:
                 self._releases.append(slot)
                 self._cv.notify()
+
+    def fork(self, src: "KVSlot", dst: "KVSlot", n: int) -> int:
+        """Make the empty slot ``dst`` share the first ``n`` tokens of ``src``'s keys and values
+        (pool blocks shared, copied only when written; run on the loop thread, between batches).
+        Returns the tokens shared: fewer than ``n`` only when the source holds fewer."""
+        done = threading.Event()
+        box: dict = {}
+
+        def op():
+            try:
+                if src.closed:
+                    raise NotFound("source_session_id", "the session's KV slot was released (evicted)")
+                if dst.handle is not None:
+                    raise ValueError("fork into a slot that already holds keys and values")
+                if src.handle is not None and n > 0:
+                    m = min(n, self.pool.length(src.handle))
+                    if m > 0:
+                        dst.handle = self.pool.fork(src.handle, m)
+                        box["n"] = m
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        if threading.current_thread() is self._thread:
+            op()
+        else:
+            with self._cv:
+                if self._stop:
+                    raise ResourceExhausted("the model server is shutting down")
+                self._ops.append(op)
+                self._cv.notify()
+            done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("n", 0)
 
     def _free(self, slot: "KVSlot") -> None:
         self._seen.pop(id(slot), None)
@@ -237,11 +274,14 @@ class BatchScheduler:
     def _gather(self) -> list[_Job] | None:
         cfg = self.cfg
         with self._cv:
-            while not self._q and not self._stop and not self._releases:
+            while not self._q and not self._stop and not self._releases and not self._ops:
                 self._cv.wait()
             releases, self._releases = self._releases, []
             for slot in releases:
                 self._free(slot)
+            ops, self._ops = self._ops, []
+            for op in ops:
+                op()
             if self._stop:
                 return None
             if not self._q:
@@ -313,14 +353,14 @@ class BatchScheduler:
                     raise InvalidArgument(
                         "tokens", f"the session would hold {end} tokens; this server's KV cache holds "
                         f"{pool.blocks_total * pool.block_size} (--kv-cache-tokens)")
-                try:
-                    pool.ensure(h, end)
-                except PoolFull:
-                    need = -(-end // pool.block_size) - len(pool.block_table(h))
+                # new blocks, plus private copies of blocks shared with a fork that this row writes into
+                need = max(0, -(-end // pool.block_size) - len(pool.block_table(h))) + pool.shared_blocks(h, job.start)
+                if need > pool.blocks_free:
                     if self.evict is None or not self.evict(need):
-                        raise
+                        raise PoolFull(f"need {need} more blocks, {pool.blocks_free} free of {pool.blocks_total}")
                     self.stats.evictions += 1
-                    pool.ensure(h, end)
+                pool.make_writable(h, job.start)
+                pool.ensure(h, end)
                 ok.append(job)
             except PoolFull:
                 self.stats.exhausted += 1
@@ -395,6 +435,12 @@ class PooledKV:
         out, self.last = self.sched.forward(self.slot, start, feed, keep, head)
         self.n = start + len(feed)
         return out
+
+    def fork(self) -> "PooledKV":
+        """A new slot sharing this one's keys and values (pool blocks, copied only when written)."""
+        other = PooledKV(self.sched)
+        other.n = self.sched.fork(self.slot, other.slot, self.n)
+        return other
 
     def close(self) -> None:
         self.sched.release(self.slot)

@@ -133,6 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
                        ("gateway", "run the gateway (REST + gRPC); see `crossdraft gateway --help`")):
         sp = sub.add_parser(name, help=what, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
+    r = sub.add_parser("request", help="send one generation to a running gateway (gRPC) and print it")
+    r.add_argument("--gateway", default=os.environ.get("CROSSDRAFT_GATEWAY", "127.0.0.1:50051"),
+                   help="the gateway's gRPC address (env CROSSDRAFT_GATEWAY)")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    r.add_argument("--session-id", default=None, help="continue this session")
+    r.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
+    r.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--stop", action="append", default=None, metavar="TEXT")
+    r.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage, stats")
+    r.add_argument("--tls-ca-file", default=os.environ.get("CROSSDRAFT_TLS_CA_FILE", ""),
+                   help="talk TLS, verifying the gateway with this CA bundle (env CROSSDRAFT_TLS_CA_FILE)")
+    r.add_argument("--tls-cert-file", default="", help="client certificate (PEM), if the gateway asks for one")
+    r.add_argument("--tls-key-file", default="", help="its private key")
+    r.add_argument("--tls-server-name", default="", help="the name in the gateway's certificate, if not the address")
+    r.add_argument("--timeout-s", type=_float_arg("--timeout-s"), default=600.0)
+
     from . import up
 
     u = sub.add_parser("up", help="run the whole stack on localhost: Redis, drafter, verifier, gateway")
@@ -217,6 +235,42 @@ def cmd_generate(a) -> int:
             f"acceptance={s['acceptance_rate']:.2%}",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_request(a) -> int:
+    """`crossdraft request`: one generation through a running gateway (API key from CROSSDRAFT_API_KEY)."""
+    import grpc
+
+    from .client import Client
+
+    if not a.prompt:
+        raise InvalidArgument("prompt", "must be a non-empty string")
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        path = getattr(a, name)
+        if path and not os.path.isfile(path):
+            raise InvalidArgument(name, f"no such file: {path}")
+    if bool(a.tls_cert_file) != bool(a.tls_key_file):
+        raise InvalidArgument("tls_cert_file", "a client certificate needs both --tls-cert-file and --tls-key-file")
+    opts = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+    try:
+        with Client(a.gateway, timeout_s=a.timeout_s, tls_ca_file=a.tls_ca_file or None,
+                    tls_cert_file=a.tls_cert_file or None, tls_key_file=a.tls_key_file or None,
+                    tls_server_name=a.tls_server_name or None,
+                    api_key=os.environ.get("CROSSDRAFT_API_KEY") or None) as c:
+            if a.chat:
+                res = c.generate(messages=[{"role": "user", "content": a.prompt}], session_id=a.session_id,
+                                 stop=a.stop, **opts)
+            else:
+                res = c.generate(a.prompt, session_id=a.session_id, stop=a.stop, **opts)
+    except grpc.RpcError as e:
+        print(f"crossdraft: error: {a.gateway}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                          "session_id": res.session_id, "usage": res.usage, "stats": res.stats}))
+    else:
+        print(res.text)
     return 0
 
 
@@ -305,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         cmds = {"generate": cmd_generate, "models": cmd_models, "vocab": cmd_vocab, "bench": cmd_bench, "up": cmd_up,
+                "request": cmd_request,
                 "drafter": cmd_service, "verifier": cmd_service, "gateway": cmd_service}
         return cmds[a.cmd](a)
     except CrossdraftError as e:

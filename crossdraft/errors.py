@@ -85,8 +85,8 @@ def check_number(name: str, value) -> float:
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def check_session_id(sid) -> str:
-    """A valid session id (see SESSION_ID_RE); InvalidArgument naming session_id otherwise."""
+def check_session_id(sid, field: str = "session_id") -> str:
+    """A valid session id (see SESSION_ID_RE); InvalidArgument naming the field otherwise."""
     if not isinstance(sid, str) or not SESSION_ID_RE.match(sid):
-        raise InvalidArgument("session_id", "must be 1-64 characters of letters, digits, '-' or '_'")
+        raise InvalidArgument(field, "must be 1-64 characters of letters, digits, '-' or '_'")
     return sid

@@ -18,6 +18,11 @@ Design
   Token ``i`` of a handle lives at physical row ``table[i // block_size] * block_size + i %
   block_size``. Blocks are taken from a free list on demand (:meth:`KVPool.ensure`), and
   :class:`PoolFull` is raised -- with nothing changed -- when the free list cannot cover a request.
+* **Forks share blocks.** :meth:`KVPool.fork` gives a new handle the same blocks as an existing
+  one (reference counts, no copy): n completions of one prompt share the prompt's keys and values.
+  A block is written only by a handle that owns it alone: before a forward writes into a shared
+  block, the writer gets a private copy of it (copy on write; only the block a fork point falls
+  into is ever copied, since a fork writes from its own length on).
 * **Rollback is a length change.** Rejected drafts are dropped by :meth:`KVPool.truncate`, which
   moves the length back and returns the whole blocks past it to the free list; stale K/V behind
   the length is simply overwritten by the next forward. Sliding-window layers (Gemma-3) keep the
@@ -113,6 +118,7 @@ class KVPool:
 
         # free list as a stack; low ids handed out first
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._refs: list[int] = [0] * self.num_blocks  # handles whose tables hold each block
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._next_handle = 0
@@ -127,9 +133,53 @@ class KVPool:
 
     def free(self, h: int) -> None:
         table = self._table(h)
-        self._free.extend(reversed(table))
+        for b in reversed(table):
+            self._release(b)
         del self._tables[h]
         del self._lengths[h]
+
+    def fork(self, h: int, n: int | None = None) -> int:
+        """A new handle holding the first ``n`` tokens of ``h`` (all by default) in the SAME blocks:
+        no copy and no new block; either handle's next write into a shared block copies that block
+        first (:meth:`make_writable`)."""
+        table = self._table(h)
+        n = self._lengths[h] if n is None else n
+        if n < 0 or n > self._lengths[h]:
+            raise ValueError(f"fork({h}, {n}): length is {self._lengths[h]}")
+        shared = table[:self._blocks_for(n)]
+        for b in shared:
+            self._refs[b] += 1
+        new = self.alloc()
+        self._tables[new] = list(shared)
+        self._lengths[new] = n
+        return new
+
+    def shared_blocks(self, h: int, start: int) -> int:
+        """How many of ``h``'s blocks from the one holding token ``start`` on are shared with
+        another handle (the blocks a write from ``start`` would have to copy)."""
+        table = self._table(h)
+        return sum(1 for b in table[start // self.block_size:] if self._refs[b] > 1)
+
+    def make_writable(self, h: int, start: int) -> int:
+        """Give ``h`` private copies of its shared blocks from the one holding token ``start`` on
+        (copy on write); returns how many were copied. PoolFull (nothing changed) when the free
+        list cannot cover them."""
+        table = self._table(h)
+        first = start // self.block_size
+        todo = [i for i in range(first, len(table)) if self._refs[table[i]] > 1]
+        if len(todo) > len(self._free):
+            raise PoolFull(f"copy on write needs {len(todo)} blocks, {len(self._free)} free of {self.num_blocks}")
+        bs = self.block_size
+        for i in todo:
+            old, new = table[i], self._take()
+            src = slice(old * bs, (old + 1) * bs)
+            dst = slice(new * bs, (new + 1) * bs)
+            for layer in range(self.num_layers):
+                self.k[layer][dst].copy_(self.k[layer][src])
+                self.v[layer][dst].copy_(self.v[layer][src])
+            self._refs[old] -= 1
+            table[i] = new
+        return len(todo)
 
     def length(self, h: int) -> int:
         self._table(h)
@@ -146,7 +196,7 @@ class KVPool:
         self._lengths[h] = n
         keep = self._blocks_for(n)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
 
     def ensure(self, h: int, n_total: int) -> None:
         """Reserve blocks so that ``h`` can hold ``n_total`` tokens (PoolFull leaves state unchanged)."""
@@ -157,7 +207,7 @@ class KVPool:
         if extra > len(self._free):
             raise PoolFull(f"need {extra} more blocks, {len(self._free)} free of {self.num_blocks}")
         for _ in range(extra):
-            table.append(self._free.pop())
+            table.append(self._take())
 
     # ---- stats ---------------------------------------------------------------------------------
     @property
@@ -198,6 +248,16 @@ class KVPool:
 
     def _blocks_for(self, n: int) -> int:
         return -(-n // self.block_size)
+
+    def _take(self) -> int:
+        b = self._free.pop()
+        self._refs[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            self._free.append(b)
 
 
 def kv_bytes_per_token(model, dtype=None) -> int:
@@ -322,8 +382,10 @@ def _reserve(pool: KVPool, rows: list[Row]) -> None:
     for r in rows:
         table = pool._tables[r.handle]
         after = len(table) if r.start == pool._lengths[r.handle] else min(len(table), pool._blocks_for(r.start))
-        freed += len(table) - after
+        # blocks dropped by the rollback return to the pool only if no fork holds them too
+        freed += sum(1 for b in table[after:] if pool._refs[b] == 1)
         needed += max(0, pool._blocks_for(r.start + len(r.tokens)) - after)
+        needed += sum(1 for b in table[r.start // pool.block_size:after] if pool._refs[b] > 1)  # copy on write
     if needed > len(pool._free) + freed:
         raise PoolFull(f"batch needs {needed} more blocks, {len(pool._free) + freed} would be free "
                        f"of {pool.num_blocks}")
@@ -331,6 +393,7 @@ def _reserve(pool: KVPool, rows: list[Row]) -> None:
         if r.start < pool._lengths[r.handle]:
             pool.truncate(r.handle, r.start)
     for r in rows:
+        pool.make_writable(r.handle, r.start)
         pool.ensure(r.handle, r.start + len(r.tokens))
 
 

@@ -39,8 +39,12 @@ class ModelPort(Protocol):
     def timings(self) -> list[float]:
         """Measured ms of one forward of 1..M tokens ([] when measuring is off)."""
 
-    def sync(self, sid: str, ids: Sequence[int]) -> tuple[int, "Expect"]:
-        """Create or align session `sid` with the full history; (reused cache entries, state)."""
+    def sync(self, sid: str, ids: Sequence[int], prefill: bool = False) -> tuple[int, "Expect"]:
+        """Create or align session `sid` with the full history; (reused cache entries, state).
+        prefill: compute the keys and values of all ids but the last now."""
+
+    def fork(self, src: str, dst: str) -> tuple[int, "Expect"]:
+        """Session `dst` starts as a copy of `src` (history and cache); (cache entries shared, state)."""
 
     def end(self, sid: str) -> bool:
         """Drop the session; whether it existed."""

@@ -137,6 +137,15 @@ class OwnKV:
         h = self.model.model(**kw).last_hidden_state[0, -keep:]
         return torch.nn.functional.linear(h, head)
 
+    def fork(self) -> "OwnKV":
+        """An independent copy (a cache of its own holds its own tensors: this copies them)."""
+        import copy
+
+        other = OwnKV.__new__(OwnKV)
+        other.model, other.device = self.model, self.device
+        other.cache = copy.deepcopy(self.cache)
+        return other
+
     def close(self) -> None:
         self.cache = None
 
@@ -201,6 +210,28 @@ class _ModelSession:
         out = self.kv.run(start, feed, keep, head)
         self.fed = self.fed[:start] + feed
         return out
+
+    def prefill(self) -> int:
+        """Compute the keys and values of every id but the last now (the last one is fed by the
+        next verify or draft, which needs its logits); returns the tokens cached. One forward over
+        the uncached part, none if it is cached already."""
+        start, feed = self._tail([])
+        feed = feed[:-1]
+        if feed:
+            self.kv.run(start, feed, 1)
+            self.fed = self.fed[:start] + feed
+        return self.cache_len
+
+    def fork(self) -> "_ModelSession":
+        """A session with the same history and the same cached keys and values (a model server's
+        pool shares them until either side writes; a cache of its own is copied)."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.ids, other.fed = list(self.ids), list(self.fed)
+        other.kv = self.kv.fork()
+        del other.fed[other.kv.length():]  # the copy never holds more than the source, at most fewer
+        other.cache_repairs, other.closed = 0, False
+        return other
 
     def truncate_cache(self, valid: int) -> None:
         n = min(valid, self.cache_len, len(self.ids) - 1)

@@ -304,8 +304,10 @@ class _Worker:
         if self.max_context and n > self.max_context:
             raise InvalidArgument("token_ids", f"{n} tokens exceed the model's context ({self.max_context})")
 
-    def sync(self, sid: str, ids) -> tuple[int, Expect]:
-        """Create or align a session with the full history; returns (reused cache entries, state)."""
+    def sync(self, sid: str, ids, prefill: bool = False) -> tuple[int, Expect]:
+        """Create or align a session with the full history; returns (reused cache entries, state).
+        prefill: also compute the keys and values of all ids but the last now (a prompt that
+        :meth:`fork` then shares); otherwise the next verify or draft feeds them."""
         check_session_id(sid)
         ids = _check_ids("token_ids", ids, self.vocab)
         if not ids:
@@ -313,7 +315,31 @@ class _Worker:
         self._check_len(len(ids))
         with self._using(sid, create_ids=ids) as (sess, created):
             reused = 0 if created else sess.sync(ids)
+            if prefill:
+                sess.prefill()
             return reused, Expect.of(sess.ids)
+
+    def fork(self, src: str, dst: str) -> tuple[int, Expect]:
+        """Session `dst` becomes a copy of `src`: the same history and the same cached keys and
+        values, shared in the batched KV pool until either session writes (copied otherwise).
+        An existing `dst` is replaced. Returns (cache entries shared, dst's state)."""
+        check_session_id(src, "source_session_id")
+        check_session_id(dst)
+        if src == dst:
+            raise InvalidArgument("session_id", "must differ from source_session_id")
+        try:
+            with self._using(src) as (sess, _):
+                new = sess.fork()
+        except NotFound as e:
+            raise NotFound("source_session_id", str(e).split(": ", 1)[-1]) from None
+        new.lock = threading.Lock()
+        with self.lock:
+            old = self.sessions.pop(dst)
+            self.sessions.put(dst, new)
+        if old is not None:
+            with (self.lock if self.scheduler is None else old.lock):
+                old.close()
+        return new.cache_len, Expect.of(new.ids)
 
     def end(self, sid: str) -> bool:
         check_session_id(sid)

@@ -52,8 +52,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def SyncDrafterSession(self, request, context):
         SYNCS.inc()
-        reused, exp = self.state.get().sync(request.session_id, request.token_ids)
+        reused, exp = self.state.get().sync(request.session_id, request.token_ids, prefill=request.prefill)
         return drafter_pb2.SyncDrafterSessionResponse(reused_tokens=reused, context=wire.expect_to_proto(exp))
+
+    def ForkDrafterSession(self, request, context):
+        shared, exp = self.state.get().fork(request.source_session_id, request.session_id)
+        return drafter_pb2.ForkDrafterSessionResponse(shared_tokens=shared, context=wire.expect_to_proto(exp))
 
     def Draft(self, request, context):
         w = self.state.get()

@@ -9,7 +9,7 @@ import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -28,6 +28,7 @@ from crossdraft.errors import (
 )
 from crossdraft.policy import DraftConfig
 from crossdraft.sampling import SamplingParams
+from crossdraft.tls import TLSConfig
 from crossdraft.vocab import TokenPair
 
 from .sessions import RedisSessionStore, Session
@@ -67,6 +68,11 @@ class GatewayConfig:
     max_concurrent_requests: int = 256  # generations running at once; more wait in the queue
     max_queued_requests: int = 256  # generations waiting for a slot; more are refused (429 / RESOURCE_EXHAUSTED)
     queue_timeout_s: float = 30.0  # a queued generation that gets no slot in this long is refused
+    tls: TLSConfig = TLSConfig()  # public side: certificate + key -> HTTPS and gRPC over TLS
+    # to the model servers: their CA (turns TLS on), the gateway's client certificate, the expected name
+    upstream_tls: TLSConfig = TLSConfig(prefix="upstream_tls")
+    redis_password: str = field(default="", repr=False)  # Redis AUTH (--redis-password-file or env), never shown
+    redis_tls_ca_file: str = ""  # CA of a rediss:// server's certificate (default: system roots)
 
 
 OPTION_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
@@ -262,6 +268,8 @@ class Metrics:
                                 registry=r)
         self.tokens = Counter("crossdraft_completion_tokens_total", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("crossdraft_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.forks = Counter("crossdraft_prefill_forks_total",
+                             "Model-server sessions forked from a shared prompt prefill (n completions)", registry=r)
         self.rounds = Counter("crossdraft_rounds_total", "Verification rounds", registry=r)
         self.drafted = Counter("crossdraft_drafted_tokens_total", "Draft tokens verified", registry=r)
         self.accepted = Counter("crossdraft_accepted_tokens_total", "Draft tokens accepted", registry=r)
@@ -303,7 +311,8 @@ def stats_dict(stats) -> dict:
     }
 
 
-def _add_stats(total: dict, s: dict) -> dict:
+def add_stats(total: dict, s: dict) -> dict:
+    """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "prefill_ms", "draft_ms", "verify_ms",
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
@@ -448,17 +457,49 @@ class Gateway:
         return existed
 
     # ---- generation --------------------------------------------------------------------------
+    def share_prefill(self, jobs: list["Job"]) -> int:
+        """n completions of one prompt compute its keys and values once: the first job's sessions
+        are synced with the prompt and prefilled on both model servers, and every other job's
+        sessions are forked from them (shared pool blocks). The runs then find their prompt cached
+        when they sync. Best effort: on any failure the runs compute their own prefill (slower,
+        never different). Returns the sessions forked."""
+        base = jobs[0] if jobs else None
+        if base is None or len(jobs) < 2 or base.session is not None:
+            return 0
+        forked = 0
+        try:
+            v = self.placement.client("verifier", base.v_addr)
+            v.sync(base.sid, base.t_ids, prefill=True)
+            for j in jobs[1:]:
+                if j.v_addr == base.v_addr and j.t_ids == base.t_ids:
+                    v.fork(base.sid, j.sid)
+                    forked += 1
+            if base.use_drafter and base.d_addr and base.d_ids:
+                d = self.placement.client("drafter", base.d_addr)
+                d.sync(base.sid, base.d_ids, prefill=True)
+                for j in jobs[1:]:
+                    if j.use_drafter and j.d_addr == base.d_addr and j.d_ids == base.d_ids:
+                        d.fork(base.sid, j.sid)
+                        forked += 1
+        except Exception as e:  # the runs sync by themselves
+            log.warning("shared prefill of %d completions failed (each computes its own): %s", len(jobs), e)
+        self.metrics.forks.inc(forked)
+        return forked
+
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
               api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False,
-              owner: str = "", top_logprobs: int = -1) -> "Job":
+              owner: str = "", top_logprobs: int = -1, like: "Job | None" = None) -> "Job":
         """Validate and prepare a request (errors raise here, before any output).
+
+        like: another job of the same request (n completions): this one goes to the same model
+        servers, so that :meth:`share_prefill` can fork its sessions from that job's.
 
         admitted: the caller holds an admission slot (:attr:`admission`); the job gives it back
         when it ends -- or start() does, if it raises."""
         try:
             if self.draining:
                 raise Unavailable("the gateway is shutting down; retry on another replica")
-            job = self._start(session_id, prompt, messages, options, api, names, stop, owner, top_logprobs)
+            job = self._start(session_id, prompt, messages, options, api, names, stop, owner, top_logprobs, like)
         except BaseException:
             if admitted:
                 self.admission.leave()
@@ -466,7 +507,7 @@ class Gateway:
         job.admitted = admitted
         return job
 
-    def _start(self, session_id, prompt, messages, options, api, names, stop, owner, top_logprobs) -> "Job":
+    def _start(self, session_id, prompt, messages, options, api, names, stop, owner, top_logprobs, like) -> "Job":
         names = names or {}
         if session_id:
             check_session_id(session_id)
@@ -493,7 +534,7 @@ class Gateway:
             session = self.store.get(session_id, owner)
             lease = self.store.acquire(session_id)
         try:
-            return Job(self, session, lease, prompt, messages, opts, api, names, stop, top_logprobs)
+            return Job(self, session, lease, prompt, messages, opts, api, names, stop, top_logprobs, like)
         except BaseException:
             if lease:
                 self.store.release(session_id, lease)
@@ -504,7 +545,7 @@ class Job:
     """One prepared request; iterate :meth:`events` for {"type": "delta" | "done", ...} dicts."""
 
     def __init__(self, gw: Gateway, session: Session | None, lease, prompt, messages, opts, api, names, stop=(),
-                 top_logprobs: int = -1):
+                 top_logprobs: int = -1, like: "Job | None" = None):
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
         self._finished = False
         self._placed = False
@@ -524,14 +565,14 @@ class Job:
         self.draft = DraftConfig(num_draft_tokens=k, adaptive=merged.get("adaptive_draft", True),
                                  max_draft_tokens=max(10, k))
         pl = gw.placement
-        self.v_addr, _ = pl.choose("verifier", session.verifier_address if session else None)
+        self.v_addr, _ = pl.choose("verifier", like.v_addr if like else session.verifier_address if session else None)
         if self.v_addr is None:
             raise Unavailable("no ready verifier")
         self.use_drafter = merged.get("use_drafter", True) and gw.has_drafter
         self.d_addr = None
         self.no_drafter_reason = ""
         if self.use_drafter:
-            self.d_addr, _ = pl.choose("drafter", session.drafter_address if session else None)
+            self.d_addr, _ = pl.choose("drafter", like.d_addr if like else session.drafter_address if session else None)
             if self.d_addr is None:
                 self.use_drafter = False
                 self.no_drafter_reason = "no ready drafter"
@@ -564,6 +605,7 @@ class Job:
         if not t_ids:
             raise InvalidArgument(names.get("prompt", "prompt"), "is empty after tokenisation")
         self.prompt_text = prompt
+        self.t_ids, self.d_ids = t_ids, d_ids
         self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
         self.run = gw.decoder(self.v_addr, self.d_addr).run(
             self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
@@ -660,7 +702,7 @@ class Job:
                 else:
                     # the session's text spells its tokens: a stop string stays in it (not in the reply)
                     s.text += (self.prompt_text or "") + res.text + res.stop_tail
-                s.stats = _add_stats(s.stats, st)
+                s.stats = add_stats(s.stats, st)
                 gw.store.save(s)
             status = "ok"
             done = {"type": "done", "session_id": self.session.session_id if self.session else "",
@@ -700,5 +742,5 @@ class Job:
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
-__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "check_api_key", "check_utf8", "key_owner",
-           "validate_messages", "validate_options"]
+__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "add_stats", "check_api_key", "check_utf8",
+           "key_owner", "validate_messages", "validate_options"]

@@ -27,7 +27,7 @@ from crossdraft.errors import (
     check_int,
 )
 
-from .core import OPTION_FIELDS, check_api_key, check_utf8, key_owner, validate_messages
+from .core import OPTION_FIELDS, add_stats, check_api_key, check_utf8, key_owner, validate_messages
 
 MAX_BODY_BYTES = 4 << 20
 MAX_DETOKENIZE = 1 << 20  # token ids per /detokenize call
@@ -247,7 +247,7 @@ class Completions:
 
 def _final_many(dones: list[dict], rid: str, created: int, model: str, chat: bool, pair=None) -> dict:
     """n completions in one response: a choice each; usage counts the prompt once and every choice's
-    tokens; ``speculative`` sums the choices' rounds."""
+    tokens; ``speculative`` sums the stats of the runs that computed them."""
     out = _final(dones[0], rid, created, model, chat, pair)
     if len(dones) == 1:
         return out
@@ -256,6 +256,10 @@ def _final_many(dones: list[dict], rid: str, created: int, model: str, chat: boo
     completion = sum(d["usage"]["completion_tokens"] for d in dones)
     prompt = dones[0]["usage"]["prompt_tokens"]
     out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    total: dict = {}
+    for d in {id(d): d for d in dones}.values():  # greedy: one run sent n times counts once
+        total = add_stats(total, d["stats"])
+    out["speculative"] = dict(out["speculative"], **total)
     return out
 
 
@@ -450,9 +454,11 @@ class RestApi:
                               messages=value if chat else None, options=o, api="rest", names=names,
                               stop=extra.get("stop"), admitted=True,
                               owner=key_owner(g.cfg, request.headers.get("authorization")),
-                              top_logprobs=extra["top"])
+                              top_logprobs=extra["top"], like=jobs[0] if jobs else None)
                 job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
                 jobs.append(job)
+            if len(jobs) > 1:  # the n completions share the prompt's prefill
+                await anyio.to_thread.run_sync(g.share_prefill, jobs)
         except BaseException:
             for job in jobs:
                 job.close()

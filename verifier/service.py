@@ -30,8 +30,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def SyncVerifierSession(self, request, context):
         SYNCS.inc()
-        reused, exp = self.state.get().sync(request.session_id, request.token_ids)
+        reused, exp = self.state.get().sync(request.session_id, request.token_ids, prefill=request.prefill)
         return verifier_pb2.SyncVerifierSessionResponse(reused_tokens=reused, context=wire.expect_to_proto(exp))
+
+    def ForkVerifierSession(self, request, context):
+        shared, exp = self.state.get().fork(request.source_session_id, request.session_id)
+        return verifier_pb2.ForkVerifierSessionResponse(shared_tokens=shared, context=wire.expect_to_proto(exp))
 
     def Verify(self, request, context):
         w = self.state.get()

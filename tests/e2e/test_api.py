@@ -524,6 +524,28 @@ def test_n_sampled_completions_with_derived_seeds(stack):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 36
 
 
+def test_n_completions_share_the_prompts_prefill(stack):
+    """The n runs find the prompt's keys and values cached on both model servers (forked from one
+    prefill): each run's first sync reuses all but the last prompt token, on the verifier and on
+    the drafter -- without sharing each would prefill the prompt itself and reuse nothing."""
+    before = _gateway_counter(stack, "crossdraft_prefill_forks_total")
+    r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3})
+    body = r.json()
+    spec = body["speculative"]
+    assert spec["reused_target_tokens"] == 3 * (body["usage"]["prompt_tokens"] - 1), spec
+    assert spec["reused_drafter_tokens"] >= 3, spec
+    assert spec["mode"] == "speculative"
+    assert _gateway_counter(stack, "crossdraft_prefill_forks_total") - before == 4  # 2 verifier + 2 drafter forks
+    one = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3}).json()
+    assert one["speculative"]["reused_target_tokens"] == 0  # a lone run prefills in its first round
+    assert body["choices"][0]["text"] == one["choices"][0]["text"]  # sharing changes no token
+
+
+def _gateway_counter(stack, name: str) -> float:
+    text = requests.get(stack.http + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_n_greedy_completions_are_one_run_sent_n_times(stack, ref):
     r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "n": 2}).json()
     assert [c["text"] for c in r["choices"]] == [ref["choices"][0]["text"]] * 2

@@ -242,3 +242,31 @@ def test_concurrent_requests_give_the_same_tokens_as_sequential_ones(stack):
     with ThreadPoolExecutor(len(jobs)) as ex:
         together = list(ex.map(run, range(len(jobs))))
     assert together == alone
+
+
+def test_model_servers_fork_sessions_over_grpc(stack):
+    """ForkVerifierSession / ForkDrafterSession through real servers: the fork starts with the
+    source's prefilled cache; bad requests are INVALID_ARGUMENT / NOT_FOUND naming the field, and
+    the servers keep serving."""
+    from crossdraft.errors import InvalidArgument, NotFound
+    from crossdraft.workers import Expect
+    from gateway.clients import RemoteDrafter, RemoteVerifier
+
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    for cls, addr in ((RemoteVerifier, stack.verifier_addr), (RemoteDrafter, stack.drafter_addr)):
+        c = cls(addr)
+        try:
+            reused, exp = c.sync("fork-src", ids, prefill=True)
+            assert reused == 0 and exp == Expect.of(ids)
+            shared, exp = c.fork("fork-src", "fork-dst")
+            assert shared == len(ids) - 1 and exp == Expect.of(ids)
+            assert c.sync("fork-dst", ids)[0] == len(ids) - 1  # the fork's cache is there
+            with pytest.raises(NotFound, match="source_session_id"):
+                c.fork("no-such-session", "fork-x")
+            with pytest.raises(InvalidArgument, match="session_id"):
+                c.fork("fork-src", "fork-src")
+            with pytest.raises(InvalidArgument, match="source_session_id"):
+                c.fork("", "fork-x")
+            assert c.end("fork-src") and c.end("fork-dst")
+        finally:
+            c.close()

@@ -1,6 +1,6 @@
 """The official OpenAI Python client (the `openai` package) against a real gateway: completions,
 chat with a system message, streaming with usage, seed, max_completion_tokens, extra_body top_k,
-stop, logprobs / top_logprobs, echo. Tiny models in real processes; the target here has a chat
+stop, logprobs / top_logprobs, echo, n. Tiny models in real processes; the target here has a chat
 template (a copy of the tiny target with one added), the drafter has none (it drafts over the
 target's rendering of the conversation)."""
 
@@ -88,6 +88,19 @@ def test_chat(oa):
     content = lp.choices[0].logprobs.content
     assert len(content) == 8 and all(len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in content)
     assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)  # greedy: the best
+
+
+def test_n_completions(oa):
+    client, model, _ = oa
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    one = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5)
+    assert r.choices[0].text == one.choices[0].text  # choice 0 keeps the request's seed
+    msgs = [{"role": "user", "content": "Say hi"}]
+    c = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=6, temperature=1.0,
+                                       seed=5, n=2)
+    assert len(c.choices) == 2 and all(ch.message.role == "assistant" for ch in c.choices)
+    assert c.usage.completion_tokens == 12
 
 
 def test_errors_come_back_as_openai_errors(oa):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from crossdraft.batching import BatchConfig
+from crossdraft.batching import BatchConfig, KVSlot
 from crossdraft.decode import Decoder
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.policy import DraftConfig
@@ -358,3 +358,69 @@ def test_replies_report_how_many_sessions_share_the_forwards(target, tok_t):
     finally:
         w.scheduler.close()
     assert len(seen) == 4 and all(1 <= n <= 4 for n in seen) and max(seen) >= 2
+
+
+# ---- n completions of one prompt: one prefill, forked sessions ----------------------------------------
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_forked_sessions_share_the_prompts_prefill_and_answer_as_if_alone(target, tok_t, batched):
+    """sync(prefill=True) computes all but the last prompt token once; forks start with that cache
+    (the pool's blocks shared, or a copied cache without batching); each fork's first verification
+    then feeds only the last prompt token + its drafts, and gives the same answer as a session that
+    prefilled alone. Work is counted: the model sees the prompt once, not once per fork."""
+    prompt = _prompts(tok_t, 4)[3]  # 24 tokens
+    blocks = [[7], [9, 11], [13, 15, 17]]
+    ref = VerifierWorker(target, WCFG)
+    want = []
+    for i, b in enumerate(blocks):
+        ref.sync(f"r{i}", prompt)
+        r = ref.verify(f"r{i}", None, b, None, 0, GREEDY, 0)
+        want.append((r.num_accepted, r.next_token))
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=0)) if batched else VerifierWorker(target, WCFG)
+    calls, hook = _forward_counter(target.model)
+    try:
+        reused, exp = w.sync("base", prompt, prefill=True)
+        assert reused == 0 and exp == Expect.of(prompt)
+        assert [c[-1] for c in calls] == [len(prompt) - 1]  # one forward over all but the last token
+        for i in range(3):
+            shared, exp = w.fork("base", f"c{i}")
+            assert shared == len(prompt) - 1 and exp == Expect.of(prompt)
+        assert len(calls) == 1  # forking computes nothing
+        if batched:
+            assert w.scheduler.pool.blocks_used == -(-(len(prompt) - 1) // w.scheduler.pool.block_size)
+        got = []
+        for i, b in enumerate(blocks):
+            reused, _ = w.sync(f"c{i}", prompt)  # what the round loop does first: everything is reused
+            assert reused == len(prompt) - 1
+            n = len(calls)
+            r = w.verify(f"c{i}", Expect.of(prompt), b, None, 0, GREEDY, 0)
+            assert [c[-1] for c in calls[n:]] == [1 + len(b)]  # the last prompt token + the drafts
+            got.append((r.num_accepted, r.next_token))
+        assert got == want
+        # the base session is untouched by its forks' writes: it verifies like a fresh session too
+        r = w.verify("base", None, blocks[2], None, 0, GREEDY, 0)
+        assert (r.num_accepted, r.next_token) == want[2]
+    finally:
+        hook.remove()
+    assert w.end("base") and all(w.end(f"c{i}") for i in range(3))
+    if batched:  # every block is back once every session sharing it is gone (freed on the loop thread)
+        w.scheduler.fork(KVSlot(), KVSlot(), 0)  # a no-op op: returns once the loop ran the releases before it
+        assert w.scheduler.pool.blocks_used == 0
+
+
+def test_fork_errors_name_the_field(target, tok_t):
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=0))
+    w.sync("a", [5, 6, 7])
+    with pytest.raises(NotFound) as e:
+        w.fork("nope", "b")
+    assert e.value.what == "source_session_id"
+    with pytest.raises(InvalidArgument) as e:
+        w.fork("a", "a")
+    assert e.value.field == "session_id"
+    with pytest.raises(InvalidArgument) as e:
+        w.fork("bad id!", "b")
+    assert e.value.field == "source_session_id"
+    # a fork replaces an existing session of that id
+    w.sync("b", [9, 9, 9, 9])
+    shared, exp = w.fork("a", "b")
+    assert exp == Expect.of([5, 6, 7]) and shared == 0  # "a" never ran a forward: nothing cached to share

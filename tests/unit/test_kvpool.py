@@ -264,3 +264,76 @@ def test_one_model_call_per_batched_forward():
         assert calls == [(5, 18), (4, 3)]
     finally:
         handle.remove()
+
+
+# ---- forks: n completions of one prompt share its blocks -------------------------------------------
+
+def test_fork_shares_blocks_and_copies_only_the_block_it_writes(model):
+    """A fork holds the source's blocks (no new block, no copy); each side's writes go to a private
+    copy of the one partly filled shared block; both sides' logits equal their own from-scratch
+    references, whatever the other side writes -- in one batch or in separate ones."""
+    g = torch.Generator().manual_seed(21)
+    pool = KVPool(model, max_tokens=512, block_size=8)
+    prompt = _toks(g, 21)  # 2 full blocks + 5 tokens of a third
+    src = pool.alloc()
+    batched_forward(model, pool, [Row(src, 0, prompt, keep=1)])
+    used = pool.blocks_used
+    forks = [pool.fork(src) for _ in range(3)]
+    assert pool.blocks_used == used  # nothing allocated, nothing copied
+    assert all(pool.block_table(f) == pool.block_table(src) for f in forks)
+    assert all(pool.length(f) == len(prompt) for f in forks)
+    # the source and two forks continue differently, in ONE batch: each writes into the shared
+    # third block, so each gets its own copy of it (3 copies) plus no other new block
+    tails = {h: _toks(g, 3) for h in (src, *forks[:2])}
+    rows = [Row(h, len(prompt), t, keep=3) for h, t in tails.items()]
+    outs = batched_forward(model, pool, rows)
+    _check_rows(model, rows, outs, {h: prompt + t for h, t in tails.items()})
+    assert pool.blocks_used == used + 3
+    assert len({pool.block_table(h)[2] for h in (src, *forks)}) == 4  # three copies + the original
+    assert len({tuple(pool.block_table(h)[:2]) for h in (src, *forks)}) == 1  # full blocks still shared
+    # the untouched fork still sees the original prompt
+    last = _toks(g, 2)
+    out = batched_forward(model, pool, [Row(forks[2], len(prompt), last, keep=2)])
+    _close(out[0], _ref(model, prompt + last, range(len(prompt), len(prompt) + 2)))
+
+
+def test_fork_point_and_rollback_below_it(model):
+    """A fork of the first n tokens; rolling it back into a shared full block copies that block
+    (the source's keys stay intact); freeing handles returns exactly the blocks nobody holds."""
+    g = torch.Generator().manual_seed(22)
+    pool = KVPool(model, max_tokens=256, block_size=8)
+    seq = _toks(g, 30)
+    src = pool.alloc()
+    batched_forward(model, pool, [Row(src, 0, seq, keep=1)])
+    f = pool.fork(src, 17)
+    assert pool.length(f) == 17 and pool.block_table(f) == pool.block_table(src)[:3]
+    other = _toks(g, 4)
+    out = batched_forward(model, pool, [Row(f, 10, other, keep=4)])  # rolls back into block 1 (shared)
+    _close(out[0], _ref(model, seq[:10] + other, range(10, 14)))
+    assert pool.block_table(f)[0] == pool.block_table(src)[0]  # block 0 still shared
+    assert pool.block_table(f)[1] != pool.block_table(src)[1]  # block 1 copied before the write
+    more = _toks(g, 2)
+    out = batched_forward(model, pool, [Row(src, 30, more, keep=2)])
+    _close(out[0], _ref(model, seq + more, range(30, 32)))
+    assert pool.shared_blocks(src, 0) == 1
+    pool.free(src)
+    assert pool.blocks_used == len(pool.block_table(f))
+    pool.free(f)
+    assert pool.blocks_used == 0 and pool.blocks_free == pool.blocks_total
+
+
+def test_copy_on_write_counts_against_a_full_pool():
+    """A write that needs a private copy of a shared block fails with PoolFull -- nothing changed --
+    when no block is free, like any other allocation."""
+    model = _build("llama")
+    pool = KVPool(model, max_tokens=16, block_size=8)  # two blocks
+    src = pool.alloc()
+    batched_forward(model, pool, [Row(src, 0, list(range(12)), keep=1)])
+    f = pool.fork(src)
+    assert pool.blocks_free == 0
+    with pytest.raises(PoolFull):
+        batched_forward(model, pool, [Row(f, 12, [5], keep=1)])
+    assert pool.length(f) == 12 and pool.block_table(f) == pool.block_table(src)
+    pool.free(src)  # now the fork owns both blocks alone: no copy needed
+    batched_forward(model, pool, [Row(f, 12, [5], keep=1)])
+    assert pool.length(f) == 13 and pool.blocks_used == 2
