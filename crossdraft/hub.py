@@ -28,7 +28,8 @@ from pathlib import Path
 
 from .errors import InvalidArgument, ModelError, UnknownModel
 
-__all__ = ["HubSpec", "cached_snapshot", "fetch", "hub_cache_dir", "is_hub_id", "is_offline", "parse_hub_spec"]
+__all__ = ["HubSpec", "cached_snapshot", "fetch", "has_weights", "hub_cache_dir", "is_hub_id", "is_offline",
+           "parse_hub_spec", "translate_error"]
 
 # org/name, as the Hub spells repo ids (letters, digits, '-', '_', '.'; no '--' or '..'), with an
 # optional @revision (a branch, a tag or a commit hash; branches may contain '/')
@@ -104,7 +105,8 @@ def _repo_dir(repo_id: str) -> Path:
     return hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
 
 
-def _has_weights(d: Path) -> bool:
+def has_weights(d: Path) -> bool:
+    """Whether a snapshot directory holds weights (safetensors or .bin, or their index)."""
     return any(d.glob("*.safetensors")) or any(d.glob("*.bin")) or any(d.glob("*.safetensors.index.json")) \
         or any(d.glob("*.bin.index.json"))
 
@@ -225,7 +227,7 @@ def fetch(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool = Fals
     E = _hub_errors()
     hit = cached_snapshot(spec)
     if is_offline():
-        if hit is not None and weights and not _has_weights(hit[1]):
+        if hit is not None and weights and not has_weights(hit[1]):
             raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
                              f"({hit[1]}: no *.safetensors or *.bin); {_download_hint(spec)}")
         files = [p.name for p in hit[1].iterdir()] if hit is not None else None
@@ -246,11 +248,11 @@ def fetch(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool = Fals
         if not (snap / "config.json").is_file() and weights:
             raise ModelError(f"the cached snapshot {snap} of Hugging Face model {str(spec)!r} has no config.json; "
                              f"{_download_hint(spec)}")
-        if weights and not _has_weights(snap):
+        if weights and not has_weights(snap):
             raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
                              f"({snap}: no *.safetensors or *.bin); {_download_hint(spec)}")
         return commit, snap
-    if hit is not None and COMMIT_HASH.match(spec.ref) and (not weights or _has_weights(hit[1])):
+    if hit is not None and COMMIT_HASH.match(spec.ref) and (not weights or has_weights(hit[1])):
         return hit  # a commit never changes: nothing to ask the Hub
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
@@ -270,12 +272,12 @@ def fetch(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool = Fals
             E.OfflineModeIsEnabled, E.HFValidationError, E.DisabledRepoError) as e:
         raise translate_error(spec, e) from e
     except (ConnectionError, TimeoutError, OSError) as e:
-        if hit is not None and (not weights or _has_weights(hit[1])):
+        if hit is not None and (not weights or has_weights(hit[1])):
             return hit  # the Hub is unreachable but the cache has this revision
         raise translate_error(spec, e) from e
     except Exception as e:  # httpx's connection errors are not ConnectionError subclasses
         if type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3"):
-            if hit is not None and (not weights or _has_weights(hit[1])):
+            if hit is not None and (not weights or has_weights(hit[1])):
                 return hit
             raise _offline_error(spec, f"the Hub could not be reached: {type(e).__name__}: {e}") from e
         raise translate_error(spec, e) from e

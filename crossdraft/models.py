@@ -955,8 +955,10 @@ def _fetch_hub(ref: ModelRef, *, weights: bool, pull_missing: bool, progress: bo
                trust_remote_code: bool) -> ModelRef:
     """``ref`` with its snapshot in the cache (downloaded if missing and allowed): path and commit set."""
     assert ref.hub is not None
-    if not pull_missing and not ref.revision:
-        raise ModelError(f"Hugging Face model {ref.spec!r} is not in the cache {_hub.hub_cache_dir()}; "
+    if not pull_missing:  # the cache only, as it is
+        if ref.revision and (not weights or _hub.has_weights(ref.path)):
+            return ref
+        raise ModelError(f"Hugging Face model {ref.spec!r} is not (completely) in the cache {_hub.hub_cache_dir()}; "
                          f"run `crossdraft models download {ref.hub}`")
     commit, snap = _hub.fetch(ref.hub, weights=weights, trust_remote_code=trust_remote_code, progress=progress)
     return ModelRef(ref.spec, "hub", ref.name, snap, revision=commit, hub=ref.hub)

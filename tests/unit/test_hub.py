@@ -520,3 +520,15 @@ def test_up_passes_revisions_to_the_model_servers():
     assert v[v.index("--model") + 1] == "org/t" and v[v.index("--revision") + 1] == "v1"
     assert "--trust-remote-code" in v and "--trust-remote-code" in d
     assert d[d.index("--model") + 1] == "org/d@main" and "--revision" not in d
+
+
+def test_pull_missing_false_uses_the_cache_only(hf_home, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online, but told not to download
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing there: a request would fail
+    assert M.load_model(T_REPO, pull_missing=False).revision == C2
+    with pytest.raises(ModelError, match="crossdraft models download nobody/else"):
+        M.load_tokenizer("nobody/else", pull_missing=False)
+    with pytest.raises(ModelError, match="not \\(completely\\) in the cache"):
+        M.load_model("tiny-org/tokenizer-only", pull_missing=False)
