@@ -66,6 +66,14 @@ VARIANTS: dict[str, dict] = {
         "hub": {"hfTokenSecret": {"name": "hf-token", "key": "hf_token", "mountAs": "env"},
                 "cache": {"existingClaim": "hf-models"}, "endpoint": "https://hf-mirror.internal"},
     },
+    # TLS everywhere (certificates from existing Secrets) and an external Redis over TLS with a password
+    "tls": {
+        "tls": {"enabled": True, "gatewaySecret": "gw-public-tls", "modelServerSecret": "models-tls",
+                "gatewayClientSecret": "gw-client-tls"},
+        "redis": {"external": {"existingSecret": "crossdraft-redis", "key": "url",
+                               "passwordSecret": {"name": "redis-auth", "key": "password"},
+                               "caSecret": {"name": "redis-ca", "key": "ca.crt"}}},
+    },
     # the token as a file from the Secret, a PVC the chart creates, no init container; per-pod verifier claims
     "hub-file-token": {
         "verifier": {"model": TARGET_HUB, "trustRemoteCode": True,
@@ -355,8 +363,8 @@ def test_model_servers_use_grpc_probes(render):
 
 def test_gateway_uses_http_probes(render):
     c = container(gateway(render("default")))
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 50051}
 
@@ -426,6 +434,7 @@ def test_rbac_is_endpointslices_read_only(render, variant):
 # -------------------------------------------------------------------------------- secrets
 
 
+EXTERNAL_REDIS = {"external-redis", "tls"}
 SECRETISH = re.compile(r"(API_KEY|PASSWORD|SECRET|CREDENTIAL|(^|_)TOKEN$|^REDIS_URL$)", re.I)
 
 
@@ -436,16 +445,18 @@ def test_no_plain_text_secrets(render, variant):
     for w in workloads(docs):
         for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", []):
             for e in c.get("env", []):
-                if SECRETISH.search(e["name"]) and not (e["name"] == "REDIS_URL" and variant != "external-redis"):
+                if SECRETISH.search(e["name"]) and not (e["name"] == "REDIS_URL" and variant not in EXTERNAL_REDIS):
                     assert "value" not in e and "secretKeyRef" in e["valueFrom"], (w["metadata"]["name"], e)
     for cm in (d for d in docs if d["kind"] == "ConfigMap"):
         for k, v in cm["data"].items():
             assert not SECRETISH.search(k) and "redis" not in v.lower(), (cm["metadata"]["name"], k)
     env = env_of(gateway(docs))
-    if variant == "external-redis":
+    if variant in EXTERNAL_REDIS:
         assert "value" not in env["REDIS_URL"]
         assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-redis", "key": "url"}
-        assert env["CROSSDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-api-keys", "key": "keys"}
+        if variant == "external-redis":
+            assert env["CROSSDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-api-keys",
+                                                                               "key": "keys"}
     else:
         assert env["REDIS_URL"]["value"] == f"redis://{FULL}-redis:6379/0"  # bundled: no credentials in it
         assert "CROSSDRAFT_API_KEYS" not in env
@@ -679,3 +690,69 @@ def test_local_models_keep_their_defaults(render):
         assert not {"HF_HUB_OFFLINE", "HF_TOKEN", "HF_TOKEN_PATH", "CROSSDRAFT_REVISION"} & set(env)
         assert "hf-cache" not in {v["name"] for v in pod_spec(doc)["volumes"]}
     assert "PersistentVolumeClaim" not in kinds(docs)
+
+
+# -------------------------------------------------------------------------------- TLS
+
+def _volumes(doc) -> dict[str, dict]:
+    return {v["name"]: v for v in pod_spec(doc)["volumes"]}
+
+
+def _mounts(doc) -> dict[str, dict]:
+    return {m["name"]: m for m in container(doc)["volumeMounts"]}
+
+
+def test_tls_certificates_are_files_from_secrets_and_probes_follow(render):
+    docs = render("tls")
+    for doc, grpc_port in ((drafter(docs), 50061), (verifier(docs), 50062)):
+        c, env = container(doc), env_of(doc)
+        assert env["CROSSDRAFT_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/server/tls.crt"
+        assert env["CROSSDRAFT_TLS_KEY_FILE"]["value"] == "/etc/crossdraft/tls/server/tls.key"
+        assert env["CROSSDRAFT_TLS_CLIENT_CA_FILE"]["value"] == "/etc/crossdraft/tls/server/ca.crt"  # mutual TLS
+        assert env["CROSSDRAFT_HEALTH_PORT"]["value"] == "50070"
+        assert _volumes(doc)["tls-server"]["secret"]["secretName"] == "models-tls"
+        assert _mounts(doc)["tls-server"] == {"name": "tls-server", "mountPath": "/etc/crossdraft/tls/server",
+                                              "readOnly": True}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": grpc_port, "metrics": 9090, "health": 50070}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the kubelet has no client certificate
+            assert c[probe]["grpc"] == {"port": 50070, "service": ""}
+    g = gateway(docs)
+    c, env = container(g), env_of(g)
+    assert env["CROSSDRAFT_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/public/tls.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_CA_FILE"]["value"] == "/etc/crossdraft/tls/client/ca.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/client/tls.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_SERVER_NAME"]["value"] == f"{FULL}-modelserver"
+    vols = _volumes(g)
+    assert vols["tls-public"]["secret"]["secretName"] == "gw-public-tls"
+    assert vols["tls-client"]["secret"]["secretName"] == "gw-client-tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+    # Redis over TLS: password from its Secret, the CA as a file
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-auth", "key": "password"}
+    assert env["CROSSDRAFT_REDIS_TLS_CA_FILE"]["value"] == "/etc/crossdraft/redis-ca/ca.crt"
+    assert vols["redis-ca"]["secret"] == {"secretName": "redis-ca", "defaultMode": 0o440,
+                                          "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    # the health-only port is open to probes; gRPC still only from the gateway
+    pols = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    rules = pols[f"{FULL}-verifier"]["ingress"]
+    assert rules[0]["ports"] == [{"port": "grpc", "protocol": "TCP"}] and "from" in rules[0]
+    assert {"ports": [{"port": "health", "protocol": "TCP"}]} in rules
+    # nothing secret in the manifests: no certificate or key material, only Secret references and paths
+    text = yaml.safe_dump_all(docs)
+    assert "BEGIN" not in text and "PRIVATE" not in text
+
+
+def test_tls_off_renders_no_tls(render):
+    docs = render("default")
+    for doc in (drafter(docs), verifier(docs), gateway(docs)):
+        assert not [k for k in env_of(doc) if "TLS" in k or k == "CROSSDRAFT_HEALTH_PORT"]
+        assert not [v for v in _volumes(doc) if v.startswith("tls-")]
+
+
+def test_tls_without_its_secrets_is_refused_with_the_value_to_set(helm):
+    r = _run([helm, "template", RELEASE, str(CHART), "--set", "tls.enabled=true",
+              "--set", "tls.modelServerSecret=m"])
+    assert r.returncode != 0 and "tls.gatewaySecret is required with tls.enabled" in r.stderr
+    r = _run([helm, "template", RELEASE, str(CHART), "--set", "tls.healthPort=0"])
+    assert r.returncode != 0 and "healthPort" in r.stderr

@@ -307,3 +307,16 @@ include "crossdraft.hubEnv" (list $ "drafter"). The token only ever comes from t
         path: token
 {{- end }}
 {{- end -}}
+
+{{/* TLS (tls.*): the name the gateway checks in the model servers' certificate. */}}
+{{- define "crossdraft.modelServerName" -}}
+{{- .Values.tls.modelServerName | default (printf "%s-modelserver" (include "crossdraft.fullname" .)) -}}
+{{- end -}}
+
+{{/* A required TLS Secret name: include "crossdraft.tlsSecret" (list $ "gatewaySecret"). */}}
+{{- define "crossdraft.tlsSecret" -}}
+{{- $root := index . 0 -}}
+{{- $key := index . 1 -}}
+{{- required (printf "tls.%s is required with tls.enabled (an existing Secret with tls.crt, tls.key, ca.crt)" $key) (index $root.Values.tls $key) -}}
+{{- end -}}
+

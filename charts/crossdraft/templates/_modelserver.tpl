@@ -76,6 +76,11 @@ spec:
         - name: metrics
           containerPort: {{ $v.ports.metrics }}
           protocol: TCP
+        {{- if $root.Values.tls.enabled }}
+        - name: health
+          containerPort: {{ $root.Values.tls.healthPort }}
+          protocol: TCP
+        {{- end }}
       env:
         - name: CROSSDRAFT_MODEL
           valueFrom:
@@ -112,6 +117,17 @@ spec:
           value: {{ $v.batching.kvCacheMemoryFraction | quote }}
         - name: CROSSDRAFT_LOG_LEVEL
           value: {{ $v.logLevel | quote }}
+        {{- if $root.Values.tls.enabled }}
+        # mutual TLS: files from the Secret tls.modelServerSecret (re-read when they rotate)
+        - name: CROSSDRAFT_TLS_CERT_FILE
+          value: /etc/crossdraft/tls/server/tls.crt
+        - name: CROSSDRAFT_TLS_KEY_FILE
+          value: /etc/crossdraft/tls/server/tls.key
+        - name: CROSSDRAFT_TLS_CLIENT_CA_FILE
+          value: /etc/crossdraft/tls/server/ca.crt
+        - name: CROSSDRAFT_HEALTH_PORT
+          value: {{ $root.Values.tls.healthPort | quote }}
+        {{- end }}
         - name: CROSSDRAFT_HOME
           value: /models
         - name: HOME
@@ -129,21 +145,24 @@ spec:
         {{- end }}
       startupProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.startupProbe.periodSeconds }}
         failureThreshold: {{ $v.startupProbe.failureThreshold }}
         timeoutSeconds: {{ $v.startupProbe.timeoutSeconds }}
       readinessProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.readinessProbe.periodSeconds }}
         failureThreshold: {{ $v.readinessProbe.failureThreshold }}
         timeoutSeconds: {{ $v.readinessProbe.timeoutSeconds }}
       livenessProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.livenessProbe.periodSeconds }}
         failureThreshold: {{ $v.livenessProbe.failureThreshold }}
@@ -159,6 +178,11 @@ spec:
           mountPath: /tmp
         - name: dshm
           mountPath: /dev/shm
+        {{- if $root.Values.tls.enabled }}
+        - name: tls-server
+          mountPath: /etc/crossdraft/tls/server
+          readOnly: true
+        {{- end }}
         {{- with (include "crossdraft.hubMounts" $root | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -172,6 +196,12 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: 1Gi
+    {{- if $root.Values.tls.enabled }}
+    - name: tls-server
+      secret:
+        secretName: {{ include "crossdraft.tlsSecret" (list $root "modelServerSecret") }}
+        defaultMode: 0440
+    {{- end }}
     {{- with (include "crossdraft.hubVolumes" $root | trim) }}
     {{- . | nindent 4 }}
     {{- end }}
