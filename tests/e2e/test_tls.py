@@ -196,6 +196,26 @@ def test_the_health_port_serves_health_and_nothing_else(tls_stack):
         ch.close()
 
 
+def test_container_health_checks_follow_tls(tls_stack, stack):
+    """The images' HEALTHCHECK (python -m crossdraft.healthcheck KIND) with the servers' own env: a
+    TLS model server is checked on its health-only port, a TLS gateway over HTTPS."""
+    def hc(kind, env):
+        r = subprocess.run([sys.executable, "-m", "crossdraft.healthcheck", kind], env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode
+
+    v_port = tls_stack["verifier"][1].rsplit(":", 1)[1]
+    h_port = tls_stack["verifier"][2].rsplit(":", 1)[1]
+    assert hc("verifier", {"CROSSDRAFT_PORT": v_port, "CROSSDRAFT_HEALTH_PORT": h_port}) == 0
+    assert hc("verifier", {"CROSSDRAFT_PORT": v_port, "CROSSDRAFT_HEALTH_PORT": ""}) == 1  # TLS port, plaintext check
+    g_port = tls_stack["https"].rsplit(":", 1)[1]
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": g_port, "CROSSDRAFT_TLS_CERT_FILE": "/x.pem"}) == 0
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": g_port, "CROSSDRAFT_TLS_CERT_FILE": ""}) == 1
+    plain_port = stack.http.rsplit(":", 1)[1]
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": plain_port, "CROSSDRAFT_TLS_CERT_FILE": ""}) == 0
+    assert hc("drafter", {"CROSSDRAFT_PORT": stack.drafter_addr.rsplit(":", 1)[1], "CROSSDRAFT_HEALTH_PORT": ""}) == 0
+
+
 def _peer_serial(addr: str, ca: str, client=None) -> int:
     """The serial number of the certificate a TLS server presents to a NEW connection."""
     host, port = addr.rsplit(":", 1)
