@@ -49,10 +49,33 @@ def _msg_to_dict(m) -> dict:
 
 
 class Client:
-    def __init__(self, address: str, *, timeout_s: float = 600.0, channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(address)
+    """A gateway client. ``tls_ca_file``: talk TLS and verify the gateway with this CA bundle (PEM);
+    ``tls_ca_file=""`` with ``tls=True`` uses the system roots; ``tls_cert_file`` + ``tls_key_file``:
+    present a client certificate; ``tls_server_name``: the name to expect in the gateway's
+    certificate when dialling it by another name or IP. ``api_key``: sent as ``Authorization:
+    Bearer`` on every call (the gateway's CROSSDRAFT_API_KEYS)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0, channel: grpc.Channel | None = None,
+                 tls: bool | None = None, tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                 tls_key_file: str | None = None, tls_server_name: str | None = None, api_key: str | None = None):
+        if channel is None:
+            if tls or tls_ca_file or tls_cert_file:
+                def read(p):
+                    with open(p, "rb") as f:
+                        return f.read()
+
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=read(tls_ca_file) if tls_ca_file else None,
+                    private_key=read(tls_key_file) if tls_key_file else None,
+                    certificate_chain=read(tls_cert_file) if tls_cert_file else None)
+                opts = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+                channel = grpc.secure_channel(address, creds, options=opts)
+            else:
+                channel = grpc.insecure_channel(address)
+        self.channel = channel
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
 
     def __enter__(self) -> "Client":
         return self
@@ -81,7 +104,7 @@ class Client:
         that end the completion (not included in it); ``top_logprobs`` (0-20): each delta carries
         its tokens' log-probabilities and that many alternatives."""
         yield from self.stub.Generate(self._request(prompt, messages, session_id, options, stop, top_logprobs),
-                                      timeout=self.timeout_s)
+                                      timeout=self.timeout_s, metadata=self.metadata)
 
     def stream(self, prompt: str | None = None, **kw):
         """Yield text pieces as they are generated."""
@@ -104,12 +127,15 @@ class Client:
 
     def create_session(self, session_id: str | None = None, **options) -> str:
         r = self.stub.CreateSession(
-            gateway_pb2.CreateSessionRequest(session_id=session_id or "", options=_opts(options)), timeout=30)
+            gateway_pb2.CreateSessionRequest(session_id=session_id or "", options=_opts(options)), timeout=30,
+            metadata=self.metadata)
         return r.session_id
 
     def get_session(self, session_id: str) -> dict:
-        r = self.stub.GetSession(gateway_pb2.GetSessionRequest(session_id=session_id), timeout=30)
+        r = self.stub.GetSession(gateway_pb2.GetSessionRequest(session_id=session_id), timeout=30,
+                                 metadata=self.metadata)
         return _msg_to_dict(r.session)
 
     def delete_session(self, session_id: str) -> bool:
-        return self.stub.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=session_id), timeout=30).existed
+        return self.stub.DeleteSession(gateway_pb2.DeleteSessionRequest(session_id=session_id), timeout=30,
+                                       metadata=self.metadata).existed

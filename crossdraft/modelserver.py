@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import InvalidArgument, Unavailable
+from .tls import TLSConfig
 
 log = logging.getLogger("crossdraft.server")
 
@@ -23,7 +24,7 @@ log = logging.getLogger("crossdraft.server")
 class ModelServerConfig:
     """Configuration of a drafter or verifier server (flags override CROSSDRAFT_* env vars)."""
 
-    model: str  # catalog name, local HF directory or .gguf file
+    model: str  # catalog name, local HF directory, .gguf file or Hub id org/name[@revision]
     dtype: str | None = None  # float32 | bfloat16 | float16 (default: the fastest for this device)
     device: str = "cpu"  # cpu, cuda, cuda:N
     host: str = "0.0.0.0"  # address to bind
@@ -40,10 +41,18 @@ class ModelServerConfig:
     prefill_chunk: int = 512  # long prefills/syncs run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic)
     kv_cache_memory_fraction: float = 0.0  # automatic pool size's share of free memory (0 = per device)
+    tls: TLSConfig = TLSConfig()  # certificate, key, client CA: mutual TLS when set (crossdraft.tls)
+    health_port: int = 0  # plaintext port serving only grpc.health.v1 (probes that cannot do TLS); 0 = off
+    revision: str | None = None  # Hub ids: branch, tag or commit (same as model@REV)
+    trust_remote_code: bool = False  # Hub ids / HF dirs: run the repo's own modelling code
 
 
 def _env(name: str, default):
     return os.environ.get(f"CROSSDRAFT_{name}", default)
+
+
+def _bool_env(v) -> bool:
+    return str(v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _wait_ms(v) -> float | None:
@@ -58,7 +67,12 @@ def _wait_ms(v) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", default=_env("MODEL", None),
-                   help="catalog name, HF directory or .gguf (env CROSSDRAFT_MODEL)")
+                   help="catalog name, HF directory, .gguf or Hugging Face Hub id org/name[@revision] "
+                        "(env CROSSDRAFT_MODEL)")
+    p.add_argument("--revision", default=_env("REVISION", None) or None,
+                   help="branch, tag or commit of a Hub-id model, the same as org/name@REV (env CROSSDRAFT_REVISION)")
+    p.add_argument("--trust-remote-code", action="store_true", default=_bool_env(_env("TRUST_REMOTE_CODE", "")),
+                   help="run the modelling code a Hub repo ships (off by default; env CROSSDRAFT_TRUST_REMOTE_CODE)")
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu | cuda | cuda:N (env CROSSDRAFT_DEVICE)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
@@ -83,6 +97,17 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=float(_env("KV_CACHE_MEMORY_FRACTION", 0.0)),
                    help="the automatic KV pool's share of the memory free at startup (0 = 0.2 on CPU, 0.8 on "
                         "CUDA) (env CROSSDRAFT_KV_CACHE_MEMORY_FRACTION)")
+    p.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE", ""),
+                   help="serve gRPC over TLS with this certificate (PEM; re-read when it changes); needs "
+                        "--tls-key-file and --tls-client-ca-file (env CROSSDRAFT_TLS_CERT_FILE)")
+    p.add_argument("--tls-key-file", default=_env("TLS_KEY_FILE", ""),
+                   help="the certificate's private key (PEM) (env CROSSDRAFT_TLS_KEY_FILE)")
+    p.add_argument("--tls-client-ca-file", default=_env("TLS_CLIENT_CA_FILE", ""),
+                   help="callers must present a certificate signed by this CA: mutual TLS "
+                        "(env CROSSDRAFT_TLS_CLIENT_CA_FILE)")
+    p.add_argument("--health-port", type=int, default=int(_env("HEALTH_PORT", 0)),
+                   help="a plaintext port that serves only gRPC health (for probes that cannot present a "
+                        "certificate, e.g. the kubelet's); 0 = off (env CROSSDRAFT_HEALTH_PORT)")
 
 
 def config_from_args(a) -> ModelServerConfig:
@@ -103,8 +128,17 @@ def config_from_args(a) -> ModelServerConfig:
                             batch_wait_ms=getattr(a, "batch_wait_ms", None),
                             prefill_chunk=getattr(a, "prefill_chunk", 512),
                             kv_cache_tokens=getattr(a, "kv_cache_tokens", 0),
-                            kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0))
+                            kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0),
+                            tls=TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "",
+                                          key_file=getattr(a, "tls_key_file", "") or "",
+                                          ca_file=getattr(a, "tls_client_ca_file", "") or ""),
+                            health_port=getattr(a, "health_port", 0),
+                            revision=getattr(a, "revision", None) or None,
+                            trust_remote_code=bool(getattr(a, "trust_remote_code", False)))
     batch_config(cfg)  # validates the batching flags
+    cfg.tls.check_server(require_client_ca=True)
+    if not 0 <= cfg.health_port < 65536:
+        raise InvalidArgument("health_port", f"must be in [0, 65535], got {cfg.health_port}")
     return cfg
 
 
@@ -160,10 +194,17 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     provider = telemetry.setup_tracing(f"crossdraft-{kind}")
     tracer = telemetry.get_tracer(provider, f"crossdraft.{kind}")
     server, port, health = rpc.build_server([add_servicer], [service_name], cfg.host, cfg.port,
-                                            max_workers=cfg.max_workers, tracer=tracer)
+                                            max_workers=cfg.max_workers, tracer=tracer, tls=cfg.tls,
+                                            require_client_auth=True)
     server.start()
+    health_server = None
+    if cfg.health_port:
+        health_server, hport = rpc.build_health_server(health, cfg.host, cfg.health_port)
+        health_server.start()
+        print(f"crossdraft {kind}: health (plaintext, grpc.health.v1 only) on {cfg.host}:{hport}", flush=True)
     rpc.start_metrics_server(cfg.metrics_port)
-    print(f"crossdraft {kind}: listening on {cfg.host}:{port} (loading {cfg.model})", flush=True)
+    mode = " (mutual TLS)" if cfg.tls.cert_file else ""
+    print(f"crossdraft {kind}: listening on {cfg.host}:{port}{mode} (loading {cfg.model})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -176,7 +217,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                 time.sleep(delay)
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
-            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)
+            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
+                                trust_remote_code=cfg.trust_remote_code)
             worker = make_worker(loaded)
             ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
@@ -190,7 +232,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             export_batch_metrics(kind, worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
-            print(f"crossdraft {kind}: serving {loaded.name} ({dtype}) on {cfg.host}:{port}", flush=True)
+            at = f"@{loaded.revision}" if loaded.revision else ""
+            print(f"crossdraft {kind}: serving {loaded.name}{at} ({dtype}) on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible
             servicer.state.error = f"model failed to load: {type(e).__name__}: {e}"
             log.error(servicer.state.error)
@@ -200,6 +243,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     stop.wait()
     rpc.set_serving(health, ["", service_name], False)
     server.stop(cfg.grace_s).wait()
+    if health_server is not None:
+        health_server.stop(0)
     try:
         provider.shutdown()
     except Exception:

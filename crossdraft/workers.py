@@ -278,9 +278,10 @@ class _Worker:
                 h.update(name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
             self._files_digest = h.hexdigest()
         body, row, rows = self.cost()
-        catalog = getattr(self.loaded, "kind", "") == "catalog"
+        by_name = getattr(self.loaded, "kind", "") in ("catalog", "hub")  # a Hub model is named by its repo id
         return dict(
-            model_name=self.loaded.name if catalog else str(getattr(self.loaded, "path", self.loaded.name)),
+            model_name=self.loaded.name if by_name else str(getattr(self.loaded, "path", self.loaded.name)),
+            revision=getattr(self.loaded, "revision", "") or "",
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest,

@@ -9,6 +9,7 @@ server's KV pool is full of busy sessions: HTTP 429), anything else -> Unavailab
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
@@ -18,8 +19,12 @@ from opentelemetry import trace
 from crossdraft import rpc, wire
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from crossdraft.sessions import DraftToken
+from crossdraft.tls import FileWatch
 from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from crossdraft.workers import VerifyReply
+
+log = logging.getLogger("crossdraft.gateway")
+ROTATION_GRACE_S = 120.0  # a replaced channel stays open this long for the calls still on it
 
 
 def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
@@ -43,16 +48,43 @@ class _Remote:
 
     who = "server"
 
-    def __init__(self, address: str, tracer=None, timeout_s: float = 60.0):
+    stub_class = None  # the service's generated stub
+
+    def __init__(self, address: str, tracer=None, timeout_s: float = 60.0, tls=None):
+        """tls: a crossdraft.tls.TLSConfig (the servers' CA, this client's certificate) or None."""
         self.address = address
-        self.channel = rpc.client_channel(address)
+        self.tls = tls if tls is not None and tls.enabled else None
+        self.channel = rpc.client_channel(address, tls=self.tls)
+        self.stub = self.stub_class(self.channel)
+        self._watch = FileWatch(self.tls.files()) if self.tls else None
         self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
         self.timeout_s = timeout_s
         self._info = None
         self._lock = threading.Lock()
 
+    def _rotate(self) -> None:
+        """Certificate files changed (a rotated Secret): new calls use a new channel; the old one is
+        closed after a grace period, so calls in flight on it finish."""
+        if self._watch is None or not self._watch.changed():
+            return
+        try:
+            self.tls.check_client()  # a certificate replaced before its key: wait for the pair
+            channel = rpc.client_channel(self.address, tls=self.tls)
+        except Exception as e:  # half-written files: keep the current channel, look again next call
+            self._watch.forget()
+            log.warning("TLS files changed but cannot be loaded (keeping the old channel): %s", e)
+            return
+        old, self.channel, self.stub = self.channel, channel, self.stub_class(channel)
+        t = threading.Timer(ROTATION_GRACE_S, old.close)
+        t.daemon = True
+        t.start()
+        log.info("TLS files changed: new channel to %s %s", self.who, self.address)
+
     def _call(self, name: str, fn, req, timeout_s=None):
         """Run one unary RPC inside a client span; gRPC errors are raised as crossdraft errors."""
+        if self._watch is not None:
+            self._rotate()
+            fn = getattr(self.stub, name)  # the stub of the current channel
         with self.tracer.start_as_current_span(f"{self.service}/{name}", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("rpc.system", "grpc")
             span.set_attribute("net.peer.name", self.address)
@@ -90,10 +122,10 @@ class RemoteVerifier(_Remote):
 
     who = "verifier"
     service = "crossdraft.v1.VerifierService"
+    stub_class = verifier_pb2_grpc.VerifierServiceStub
 
-    def __init__(self, address, tracer=None, timeout_s: float = 120.0):
-        super().__init__(address, tracer, timeout_s)
-        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+    def __init__(self, address, tracer=None, timeout_s: float = 120.0, tls=None):
+        super().__init__(address, tracer, timeout_s, tls)
 
     def _fetch_info(self) -> dict:
         r = self._call("GetVerifierInfo", self.stub.GetVerifierInfo, verifier_pb2.GetVerifierInfoRequest(), 10)
@@ -146,10 +178,10 @@ class RemoteDrafter(_Remote):
 
     who = "drafter"
     service = "crossdraft.v1.DrafterService"
+    stub_class = drafter_pb2_grpc.DrafterServiceStub
 
-    def __init__(self, address, tracer=None, timeout_s: float = 30.0):
-        super().__init__(address, tracer, timeout_s)
-        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+    def __init__(self, address, tracer=None, timeout_s: float = 30.0, tls=None):
+        super().__init__(address, tracer, timeout_s, tls)
 
     def _fetch_info(self) -> dict:
         r = self._call("GetDrafterInfo", self.stub.GetDrafterInfo, drafter_pb2.GetDrafterInfoRequest(), 10)
@@ -192,6 +224,7 @@ class RemoteDrafter(_Remote):
         if expect is not None:
             req.expect.CopyFrom(wire.expect_to_proto(expect))
         toks: list[DraftToken] = []
+        self._rotate()
         with self.tracer.start_as_current_span(f"{self.service}/Draft", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("rpc.system", "grpc")
             span.set_attribute("net.peer.name", self.address)

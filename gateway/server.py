@@ -10,6 +10,7 @@ import threading
 import time
 
 from crossdraft.errors import CrossdraftError, InvalidArgument
+from crossdraft.tls import TLSConfig
 
 from .core import GatewayConfig
 
@@ -58,7 +59,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generations waiting for a slot; past this, HTTP 429 / RESOURCE_EXHAUSTED at once")
     p.add_argument("--queue-timeout-s", type=float, default=float(_env("QUEUE_TIMEOUT_S", 30)),
                    help="a queued generation without a slot after this long gets 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE", ""),
+                   help="serve REST (HTTPS) and gRPC over TLS with this certificate (PEM; re-read when it "
+                        "changes) (env CROSSDRAFT_TLS_CERT_FILE)")
+    p.add_argument("--tls-key-file", default=_env("TLS_KEY_FILE", ""),
+                   help="the certificate's private key (env CROSSDRAFT_TLS_KEY_FILE)")
+    p.add_argument("--upstream-tls-ca-file", default=_env("UPSTREAM_TLS_CA_FILE", ""),
+                   help="talk TLS to the drafter/verifier servers, verifying them with this CA "
+                        "(env CROSSDRAFT_UPSTREAM_TLS_CA_FILE)")
+    p.add_argument("--upstream-tls-cert-file", default=_env("UPSTREAM_TLS_CERT_FILE", ""),
+                   help="the gateway's client certificate for mutual TLS with the model servers "
+                        "(env CROSSDRAFT_UPSTREAM_TLS_CERT_FILE)")
+    p.add_argument("--upstream-tls-key-file", default=_env("UPSTREAM_TLS_KEY_FILE", ""),
+                   help="its private key (env CROSSDRAFT_UPSTREAM_TLS_KEY_FILE)")
+    p.add_argument("--upstream-tls-server-name", default=_env("UPSTREAM_TLS_SERVER_NAME", ""),
+                   help="the name the model servers' certificates carry, when they are dialled by IP "
+                        "(env CROSSDRAFT_UPSTREAM_TLS_SERVER_NAME)")
+    p.add_argument("--redis-password-file", default=_env("REDIS_PASSWORD_FILE", ""),
+                   help="a file holding the Redis password (else env REDIS_PASSWORD, else none)")
+    p.add_argument("--redis-tls-ca-file", default=_env("REDIS_TLS_CA_FILE", ""),
+                   help="CA of the Redis server's certificate for rediss:// URLs (default: system roots) "
+                        "(env CROSSDRAFT_REDIS_TLS_CA_FILE)")
     return p
+
+
+def _redis_password(a) -> str:
+    path = getattr(a, "redis_password_file", "") or ""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise InvalidArgument("redis_password_file", f"cannot read {path}: {e.strerror or e}") from None
+    return os.environ.get("REDIS_PASSWORD", "")
 
 
 def config_from_args(a) -> GatewayConfig:
@@ -84,6 +117,17 @@ def config_from_args(a) -> GatewayConfig:
         v = getattr(a, name)
         if not 0 <= v < 65536:
             raise InvalidArgument(name, f"must be in [0, 65535], got {v}")
+    tls = TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "", key_file=getattr(a, "tls_key_file", "") or "")
+    tls.check_server(require_client_ca=False)
+    upstream = TLSConfig(cert_file=getattr(a, "upstream_tls_cert_file", "") or "",
+                         key_file=getattr(a, "upstream_tls_key_file", "") or "",
+                         ca_file=getattr(a, "upstream_tls_ca_file", "") or "",
+                         server_name=getattr(a, "upstream_tls_server_name", "") or "", prefix="upstream_tls")
+    if upstream.cert_file and not upstream.ca_file:
+        raise InvalidArgument("upstream_tls_ca_file", "is required with a client certificate (it turns TLS on)")
+    upstream.check_client()
+    if getattr(a, "redis_tls_ca_file", "") and not a.redis_url.startswith("rediss://"):
+        raise InvalidArgument("redis_tls_ca_file", "needs a rediss:// Redis URL")
     return GatewayConfig(verifier=a.verifier, drafter=a.drafter or None, redis_url=a.redis_url, host=a.host,
                          discovery=a.discovery, verifier_service=a.verifier_service,
                          drafter_service=a.drafter_service or None, namespace=a.namespace,
@@ -95,7 +139,9 @@ def config_from_args(a) -> GatewayConfig:
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,
                          queue_timeout_s=a.queue_timeout_s, drain_timeout_s=a.drain_timeout_s,
                          api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",")
-                                            if k.strip()))
+                                            if k.strip()),
+                         tls=tls, upstream_tls=upstream, redis_password=_redis_password(a),
+                         redis_tls_ca_file=getattr(a, "redis_tls_ca_file", "") or "")
 
 
 def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
@@ -126,8 +172,9 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
             dpool = static_pool("drafter", cfg.drafter)
         except ValueError as e:
             raise InvalidArgument("verifier" if "verifier" in str(e) else "drafter", str(e)) from None
-    placement = Placement(vpool, dpool, lambda a: RemoteVerifier(a, tracer, timeout_s=cfg.verifier_timeout_s),
-                          lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s))
+    up = cfg.upstream_tls if cfg.upstream_tls.enabled else None
+    placement = Placement(vpool, dpool, lambda a: RemoteVerifier(a, tracer, timeout_s=cfg.verifier_timeout_s, tls=up),
+                          lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s, tls=up))
     verifier = _first_healthy(placement, "verifier", cfg.connect_timeout_s)
     vinfo = verifier.info()
     drafter = _first_healthy(placement, "drafter", cfg.connect_timeout_s) if dpool is not None else None
@@ -142,7 +189,8 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
     pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
-    store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s)
+    store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
+                              tls_ca_file=cfg.redis_tls_ca_file)
     return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
                    max_context=vinfo["max_context_tokens"])
 
@@ -155,7 +203,7 @@ def _first_healthy(placement, kind: str, timeout_s: float):
     pool = placement.pools[kind]
     while time.time() - t0 < timeout_s:
         for addr in pool.addresses():
-            if rpc.wait_healthy(addr, 1.0):
+            if rpc.wait_healthy(addr, 1.0, tls=placement.client(kind, addr).tls):
                 return placement.client(kind, addr)
         pool.wait_nonempty(1.0)
         time.sleep(0.2)
@@ -242,10 +290,17 @@ def main(argv=None) -> int:
 
     server, gport, health = rpc.build_server(
         [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(lazy, s)], [SERVICE_NAME],
-        cfg.host, cfg.grpc_port, tracer=tracer)
+        cfg.host, cfg.grpc_port, tracer=tracer, tls=cfg.tls)
     server.start()
     app = build_app(lambda: holder["gw"], tracer)
-    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off")
+    tls_kw = dict(ssl_certfile=cfg.tls.cert_file, ssl_keyfile=cfg.tls.key_file) if cfg.tls.cert_file else {}
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off", **tls_kw)
+    tls_stop = threading.Event()
+    if cfg.tls.cert_file:
+        from crossdraft.tls import watch_ssl_context
+
+        ucfg.load()  # builds the SSLContext now, so that a rotated certificate can be loaded into it
+        watch_ssl_context(ucfg.ssl, cfg.tls, tls_stop)
     status = {"rc": 0}
 
     class DrainingServer(uvicorn.Server):
@@ -294,17 +349,19 @@ def main(argv=None) -> int:
 
             threading.Thread(target=follow_readiness, name="crossdraft-readiness", daemon=True).start()
             print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
-                  f"{gw.drafter_model or 'none'}); REST http://{cfg.host}:{cfg.http_port}/v1, "
+                  f"{gw.drafter_model or 'none'}); REST {scheme}://{cfg.host}:{cfg.http_port}/v1, "
                   f"gRPC {cfg.host}:{gport}", flush=True)
         except Exception as e:
             log.error("gateway failed to start: %s: %s", type(e).__name__, e)
             status["rc"] = 1
             userver.should_exit = True
 
-    print(f"crossdraft gateway: gRPC on {cfg.host}:{gport}, REST on {cfg.host}:{cfg.http_port} (connecting...)",
-          flush=True)
+    scheme = "https" if cfg.tls.cert_file else "http"
+    print(f"crossdraft gateway: gRPC{' (TLS)' if cfg.tls.cert_file else ''} on {cfg.host}:{gport}, REST "
+          f"{scheme}://{cfg.host}:{cfg.http_port} (connecting...)", flush=True)
     threading.Thread(target=init, daemon=True).start()
     userver.run()
+    tls_stop.set()
     rpc.set_serving(health, ["", SERVICE_NAME], False)
     server.stop(5).wait()
     try:

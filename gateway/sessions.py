@@ -73,15 +73,36 @@ def _unpack_ids(s: str) -> list[int]:
     return np.frombuffer(base64.b64decode(s), dtype="<i4").tolist()
 
 
+def redact_url(url: str) -> str:
+    """The URL without its user and password (safe for logs and error messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<invalid URL>"
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 class RedisSessionStore:
     """Session documents and per-session leases in Redis; a session expires ttl_s after its last write."""
 
-    def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "crossdraft:", lease_s: float = 600.0):
-        self.url = url
+    def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "crossdraft:", lease_s: float = 600.0,
+                 password: str = "", tls_ca_file: str = ""):
+        """url: redis://host:port/db or rediss:// (TLS; the server is verified with tls_ca_file, or the
+        system roots); password: Redis AUTH (overrides one in the URL). Messages never show either."""
+        self.url = redact_url(url)
         self.ttl_ms = int(ttl_s * 1000)
         self.lease_ms = int(lease_s * 1000)
         self.prefix = prefix
-        self.r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        kw = {}
+        if password:
+            kw["password"] = password
+        if tls_ca_file:
+            kw["ssl_ca_certs"] = tls_ca_file
+        self.r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, **kw)
 
     def _key(self, sid: str) -> str:
         """The Redis key of session `sid`'s document (its lease is this key + ':lease')."""
