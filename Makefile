@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run generate lint test test-fast fuzz bench bench-smoke soak clean
+.PHONY: venv protos models run generate lint test test-fast fuzz fuzz-grpc bench bench-smoke soak clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,12 @@ test: models lint
 # the REST API fuzzed from its OpenAPI document with many more examples than `make test` uses
 fuzz: venv
 	CROSSDRAFT_FUZZ_EXAMPLES=$(or $(EXAMPLES),300) $(BIN)/python -m pytest -q -ra tests/e2e/test_openapi_fuzz.py
+
+# every gRPC RPC (drafter, verifier, gateway) fuzzed with many more examples than `make test` uses, fresh
+# random seeds each run; prints the answers by status code per RPC
+fuzz-grpc: venv
+	CROSSDRAFT_GRPC_FUZZ_EXAMPLES=$(or $(EXAMPLES),300) CROSSDRAFT_GRPC_FUZZ_RANDOM=1 \
+		$(BIN)/python -m pytest -q -ra -rP tests/e2e/test_grpc_fuzz.py
 
 # unit tests only (no real models)
 test-fast: venv

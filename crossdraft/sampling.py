@@ -112,7 +112,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, presence: torch
     if params.repetition_penalty != 1.0 and presence is not None:
         rp = params.repetition_penalty
         penalised = torch.where(x < 0, x * rp, x / rp)
-        x = torch.where(presence, penalised, x)
+        # an extreme penalty (1e-40, 1e308) overflows to +-inf, and inf - inf is NaN below: the
+        # largest float32 keeps the row finite (the overflowed tokens tie)
+        big = torch.finfo(torch.float32).max
+        x = torch.where(presence, penalised.clamp(-big, big), x)
     if params.greedy:
         return x
     # shift each row to max 0 first (softmax does not change): a tiny temperature then sends the

@@ -65,6 +65,9 @@ class UpConfig:
     device: str | None = None  # --device for drafter and verifier (None = their default)
     target_dtype: str | None = None  # verifier --dtype (None = its default)
     drafter_dtype: str | None = None  # drafter --dtype (None = its default)
+    target_revision: str | None = None  # verifier --revision of a Hub-id target (None = the id's own / main)
+    drafter_revision: str | None = None  # drafter --revision of a Hub-id drafter
+    trust_remote_code: bool = False  # --trust-remote-code for both model servers
     redis_url: str | None = None  # Redis for the gateway; None = start an embedded redis-server
     ready_timeout_s: float = 900.0  # how long model loading may take before giving up
     stop_timeout_s: float = 10.0  # grace period between SIGTERM and SIGKILL on shutdown
@@ -117,18 +120,24 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if len(set(ports.values())) != len(ports):
         raise ValueError(f"ports must be distinct: {ports}")
 
-    def model_args(model: str, port: int, dtype: str | None) -> list[str]:
+    def model_args(model: str, port: int, dtype: str | None, revision: str | None = None) -> list[str]:
         args = ["--model", model, "--host", cfg.host, "--port", str(port)]
         if cfg.device:
             args += ["--device", cfg.device]
         if dtype:
             args += ["--dtype", dtype]
+        if revision:
+            args += ["--revision", revision]
+        if cfg.trust_remote_code:
+            args += ["--trust-remote-code"]
         return args
 
     cmds: dict[str, list[str]] = {}
     if cfg.drafter is not None:
-        cmds["drafter"] = [cfg.python, "-m", "drafter", *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype)]
-    cmds["verifier"] = [cfg.python, "-m", "verifier", *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype)]
+        cmds["drafter"] = [cfg.python, "-m", "drafter",
+                           *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype, cfg.drafter_revision)]
+    cmds["verifier"] = [cfg.python, "-m", "verifier",
+                        *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype, cfg.target_revision)]
     gateway = [cfg.python, "-m", "gateway"]
     if cfg.drafter is not None:
         gateway += ["--drafter", f"{cfg.host}:{cfg.drafter_port}"]
@@ -166,8 +175,14 @@ def _positive_float(s: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `crossdraft up`."""
     d = UpConfig()
-    parser.add_argument("--target", default=d.target, help="target model: catalog name, HF directory or .gguf")
-    parser.add_argument("--drafter", default=d.drafter, help="drafter model: catalog name, HF directory or .gguf")
+    parser.add_argument("--target", default=d.target,
+                        help="target model: catalog name, HF directory, .gguf or Hub id org/name[@revision]")
+    parser.add_argument("--drafter", default=d.drafter,
+                        help="drafter model: catalog name, HF directory, .gguf or Hub id org/name[@revision]")
+    parser.add_argument("--target-revision", default=None, help="branch, tag or commit of a Hub-id target")
+    parser.add_argument("--drafter-revision", default=None, help="branch, tag or commit of a Hub-id drafter")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let both model servers run a Hub repo's own code (off by default)")
     parser.add_argument("--no-drafter", action="store_true", help="run target-only: no drafter service")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N for both models (default: the services' own)")
@@ -201,6 +216,9 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         device=args.device,
         target_dtype=args.target_dtype,
         drafter_dtype=args.drafter_dtype,
+        target_revision=getattr(args, "target_revision", None) or None,
+        drafter_revision=getattr(args, "drafter_revision", None) or None,
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
         redis_url=env.get("REDIS_URL") or None,
         ready_timeout_s=args.ready_timeout_s,
         log_dir=args.log_dir,

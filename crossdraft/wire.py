@@ -39,7 +39,7 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
                 max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
                 forward_ms=[float(x) for x in m.forward_ms], kv_blocks_total=m.kv_blocks_total,
                 kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows,
-                tokenizer_files_digest=m.tokenizer_files_digest)
+                tokenizer_files_digest=m.tokenizer_files_digest, revision=m.revision)
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

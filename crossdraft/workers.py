@@ -110,6 +110,13 @@ def _check_ids(name: str, ids, vocab: int) -> list[int]:
     return ids
 
 
+def _check_draws(round_index: int, seed: int) -> None:
+    """The random draws hash (seed, round, position, stream) as signed 64-bit integers: the upper half
+    of the wire's uint64 has no draws (the gateway's seeds are < 2^63 too)."""
+    check_int("round_index", round_index, 0, 2**63 - 1)
+    check_int("seed", seed, 0, 2**63 - 1)
+
+
 @dataclass
 class Expect:
     """The caller's view of a session: number of ids and their CRC-32."""
@@ -271,9 +278,10 @@ class _Worker:
                 h.update(name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
             self._files_digest = h.hexdigest()
         body, row, rows = self.cost()
-        catalog = getattr(self.loaded, "kind", "") == "catalog"
+        by_name = getattr(self.loaded, "kind", "") in ("catalog", "hub")  # a Hub model is named by its repo id
         return dict(
-            model_name=self.loaded.name if catalog else str(getattr(self.loaded, "path", self.loaded.name)),
+            model_name=self.loaded.name if by_name else str(getattr(self.loaded, "path", self.loaded.name)),
+            revision=getattr(self.loaded, "revision", "") or "",
             vocab_size=self.vocab, dtype=str(self.loaded.dtype).replace("torch.", ""),
             device=str(self.loaded.device), body_bytes=body, head_row_bytes=row, max_context_tokens=self.max_context,
             eos_token_ids=sorted(self.loaded.eos_token_ids), tokenizer_digest=self._digest,
@@ -299,9 +307,10 @@ class _Worker:
                 f"{what}: session holds {len(sess.ids)} tokens, caller expected {expect.length} "
                 "(or a different history)")
 
-    def _check_len(self, n: int) -> None:
+    def _check_len(self, n: int, field: str = "token_ids") -> None:
+        """`field`: the request's field that made the history too long (errors name it)."""
         if self.max_context and n > self.max_context:
-            raise InvalidArgument("token_ids", f"{n} tokens exceed the model's context ({self.max_context})")
+            raise InvalidArgument(field, f"{n} tokens exceed the model's context ({self.max_context})")
 
     def sync(self, sid: str, ids, prefill: bool = False) -> tuple[int, Expect]:
         """Create or align a session with the full history; returns (reused cache entries, state).
@@ -384,8 +393,7 @@ class VerifierWorker(_Worker):
     def verify(self, sid: str, expect: Expect | None, drafts, q_rows, round_index: int, params: SamplingParams,
                seed: int, top_logprobs: int = -1) -> VerifyReply:
         drafts = _check_ids("draft_token_ids", drafts, self.vocab)
-        if round_index < 0:
-            raise InvalidArgument("round_index", "must be >= 0")
+        _check_draws(round_index, seed)
         from .sessions import MAX_TOP_LOGPROBS
 
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
@@ -394,7 +402,7 @@ class VerifierWorker(_Worker):
                                                   f"got {top_logprobs!r}")
         with self._using(sid) as (sess, _):
             self._check(sess, expect, "verify")
-            self._check_len(len(sess.ids) + len(drafts) + 1)
+            self._check_len(len(sess.ids) + len(drafts) + 1, "draft_token_ids")
             res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed, top_logprobs)
             o = res.outcome
             last = getattr(sess.kv, "last", None)
@@ -454,7 +462,7 @@ class DrafterWorker(_Worker):
             append = _check_ids("edit.append", append, self.vocab)
             if keep > len(sess.ids):
                 raise FailedPrecondition(f"edit: keep={keep} but the session holds {len(sess.ids)} tokens")
-            self._check_len(keep + len(append))
+            self._check_len(keep + len(append), "edit.append")
             new = sess.ids[:keep] + append
             if expect is not None and (len(new) != expect.length or ids_crc32(new) != expect.crc32):
                 raise FailedPrecondition(f"edit: the result would hold {len(new)} tokens, caller expected "
@@ -472,13 +480,14 @@ class DrafterWorker(_Worker):
                    seed: int, stop_below: float, allowed_key: str):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting)."""
         check_int("num_draft_tokens", k, 1, 64)
+        _check_draws(round_index, seed)
         if not 0.0 <= stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
         with self.lock:
             allowed = self.allowed(allowed_key)
         with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
-            self._check_len(len(sess.ids) + k)
+            self._check_len(len(sess.ids) + k, "num_draft_tokens")
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below)
         # the session is held per token, never across a yield: a consumer that stops reading (a
         # cancelled stream) blocks nothing

@@ -103,7 +103,7 @@ EXPOSE 8000 50051
 # model servers (CROSSDRAFT_CONNECT_TIMEOUT_S, 900 s by default). No curl in the image: urllib
 # (proxies bypassed: the check is for this container, whatever HTTP_PROXY says).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
-    CMD ["python", "-c", "import os, sys, urllib.request as u; url = 'http://127.0.0.1:%s/readyz' % os.environ.get('CROSSDRAFT_HTTP_PORT', '8000'); sys.exit(0 if u.build_opener(u.ProxyHandler({})).open(url, timeout=5).status == 200 else 1)"]
+    CMD ["python", "-m", "crossdraft.healthcheck", "gateway"]
 
 ENTRYPOINT ["python", "-m", "gateway"]
 CMD []

@@ -347,7 +347,24 @@ class Gateway:
         self.model_name = v.info().get("model_name", "target") if v is not None else "target"
         d = placement.any_client("drafter")
         self.drafter_model = d.info().get("model_name") if d is not None else None
+        # the Hub commit each model is paired at ("" = catalog model or local path); see revision_conflict
+        self.model_revision = (v.info().get("revision") or "") if v is not None else ""
+        self.drafter_revision = (d.info().get("revision") or "") if d is not None else ""
         self.has_drafter = pair.drafter_tok is not None and placement.pools["drafter"] is not None
+
+    def revision_conflict(self, kind: str, addr: str, refresh: bool = False) -> str | None:
+        """Why the `kind` replica at `addr` may not be paired, or None: it serves the model this gateway
+        pairs, by name, at another revision (other weights, maybe another tokenizer or EOS ids)."""
+        name, rev = ((self.model_name, self.model_revision) if kind == "verifier"
+                     else (self.drafter_model, self.drafter_revision))
+        client = self.placement.client(kind, addr)
+        info = client.info(refresh=True) if refresh else client.info()
+        other = info.get("revision") or ""
+        if info.get("model_name") != name or other == rev:
+            return None
+        return (f"{kind} {addr} serves {name} at revision {other or '(none)'} but this gateway pairs it at revision "
+                f"{rev or '(none)'}: replicas of one model must serve one revision (pin the revision, finish the "
+                "rollout, then restart the gateway)")
 
     def decoder(self, v_addr: str, d_addr: str | None) -> Decoder:
         """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has."""
@@ -355,6 +372,9 @@ class Gateway:
         with self._lock:
             dec = self._decoders.get(key)
             if dec is None:
+                why = self.revision_conflict("verifier", v_addr)
+                if why:
+                    raise Unavailable(why)
                 v = self.placement.client("verifier", v_addr)
                 d = self.placement.client("drafter", d_addr) if d_addr else None
                 dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
@@ -381,6 +401,12 @@ class Gateway:
             if pool is None:
                 continue
             states = {addr: self._health(kind, addr) for addr in pool.addresses()}
+            for addr, st in states.items():  # a replica of another revision is refused, like one that is down
+                why = None
+                with contextlib.suppress(Exception):  # a probe answers, never raises
+                    why = self.revision_conflict(kind, addr, refresh=True) if st == "SERVING" else None
+                if why:
+                    states[addr] = f"REFUSED ({why})"
             details[kind + "s"] = states
             if kind == "verifier" and (not states or any(s != "SERVING" for s in states.values())):
                 ok = False
@@ -550,6 +576,12 @@ class Job:
             if self.d_addr is None:
                 self.use_drafter = False
                 self.no_drafter_reason = "no ready drafter"
+            else:  # a replica serving another revision of the drafter is not paired: target-only
+                why = None
+                with contextlib.suppress(Exception):  # an unreachable drafter fails later, as before
+                    why = gw.revision_conflict("drafter", self.d_addr)
+                if why:
+                    self.use_drafter, self.no_drafter_reason, self.d_addr = False, why, None
         self.messages = None
         kind = "chat" if messages is not None else "text"
         if session is not None and session.kind and session.kind != kind:

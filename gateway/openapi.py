@@ -154,7 +154,14 @@ def openapi_document(max_new_tokens: int = 4096) -> dict:
                         "object": {"const": "list"},
                         "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
                                                            "properties": {"id": {"type": "string"},
-                                                                          "object": {"const": "model"}}}}}}}}},
+                                                                          "object": {"const": "model"},
+                                                                          "drafter": {"type": ["string", "null"]},
+                                                                          "revision": {
+                                                                              "type": "string",
+                                                                              "description": "Hub commit served "
+                                                                              "('' = catalog or local model)"},
+                                                                          "drafter_revision": {
+                                                                              "type": "string"}}}}}}}}},
                 **_errors(401, 503)}}},
             "/v1/vocab": {"get": {"summary": "Vocabulary-intersection diagnostics", "responses": {
                 "200": {"description": "the mapping's statistics",

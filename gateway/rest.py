@@ -575,7 +575,9 @@ class RestApi:
         except Exception as e:
             return error_response(e)
         d = {"id": g.model_name, "object": "model", "created": 0, "owned_by": "crossdraft",
-             "drafter": g.drafter_model}
+             "drafter": g.drafter_model,
+             # the Hub commits served ("" for catalog models and local paths)
+             "revision": getattr(g, "model_revision", ""), "drafter_revision": getattr(g, "drafter_revision", "")}
         return JSONResponse({"object": "list", "data": [d]})
 
     async def vocab(self, request: Request):

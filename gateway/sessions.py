@@ -142,10 +142,11 @@ class RedisSessionStore:
             raise NotFound("session_id", f"no session {sid!r} (never created, deleted, or expired)")
         return s
 
-    def save(self, s: Session) -> None:
-        """Write the whole session back, stamping updated_unix_s and restarting its TTL."""
+    def save(self, s: Session) -> bool:
+        """Write the whole session back, stamping updated_unix_s and restarting its TTL -- only if it
+        still exists: a session deleted while a request on it runs stays deleted. Whether it was saved."""
         s.updated_unix_s = time.time()
-        self._do(lambda: self.r.set(self._key(s.session_id), s.to_json(), px=self.ttl_ms))
+        return bool(self._do(lambda: self.r.set(self._key(s.session_id), s.to_json(), px=self.ttl_ms, xx=True)))
 
     def delete(self, sid: str) -> bool:
         """Delete session `sid`; whether it existed."""

@@ -134,9 +134,9 @@ def test_requests_over_tls_equal_the_plaintext_stack_token_for_token(stack, tls_
     with Client(tls_stack["grpc"], tls_ca_file=pki.ca_file, tls_server_name="localhost") as c:
         assert c.generate(PROMPT, max_new_tokens=20).token_ids == want
     # the CLI, with the CA bundle
-    out = subprocess.run([sys.executable, "-m", "crossdraft.cli", "request", "--gateway", tls_stack["grpc"], "--prompt", PROMPT,
-                          "--max-new-tokens", "20", "--tls-ca-file", pki.ca_file, "--tls-server-name", "localhost",
-                          "--json"], capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "crossdraft.cli", "request", "--gateway", tls_stack["grpc"], "--prompt", PROMPT,
+           "--max-new-tokens", "20", "--tls-ca-file", pki.ca_file, "--tls-server-name", "localhost", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["token_ids"] == want
 
@@ -194,6 +194,26 @@ def test_the_health_port_serves_health_and_nothing_else(tls_stack):
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         ch.close()
+
+
+def test_container_health_checks_follow_tls(tls_stack, stack):
+    """The images' HEALTHCHECK (python -m crossdraft.healthcheck KIND) with the servers' own env: a
+    TLS model server is checked on its health-only port, a TLS gateway over HTTPS."""
+    def hc(kind, env):
+        r = subprocess.run([sys.executable, "-m", "crossdraft.healthcheck", kind], env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode
+
+    v_port = tls_stack["verifier"][1].rsplit(":", 1)[1]
+    h_port = tls_stack["verifier"][2].rsplit(":", 1)[1]
+    assert hc("verifier", {"CROSSDRAFT_PORT": v_port, "CROSSDRAFT_HEALTH_PORT": h_port}) == 0
+    assert hc("verifier", {"CROSSDRAFT_PORT": v_port, "CROSSDRAFT_HEALTH_PORT": ""}) == 1  # TLS port, plaintext check
+    g_port = tls_stack["https"].rsplit(":", 1)[1]
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": g_port, "CROSSDRAFT_TLS_CERT_FILE": "/x.pem"}) == 0
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": g_port, "CROSSDRAFT_TLS_CERT_FILE": ""}) == 1
+    plain_port = stack.http.rsplit(":", 1)[1]
+    assert hc("gateway", {"CROSSDRAFT_HTTP_PORT": plain_port, "CROSSDRAFT_TLS_CERT_FILE": ""}) == 0
+    assert hc("drafter", {"CROSSDRAFT_PORT": stack.drafter_addr.rsplit(":", 1)[1], "CROSSDRAFT_HEALTH_PORT": ""}) == 0
 
 
 def _peer_serial(addr: str, ca: str, client=None) -> int:

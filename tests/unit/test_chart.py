@@ -29,6 +29,8 @@ CRD_KINDS = {"ServiceMonitor"}
 H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 CHEAP_POOL = {"crossdraft.io/pool": "cheap-gpu"}
 OTEL_ENDPOINT = "http://otel-collector.observability:4317"
+TARGET_HUB, DRAFTER_HUB = "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
+TARGET_SHA = "0e9e39f249a16976918f6564b8830bc894c89659"
 
 VARIANTS: dict[str, dict] = {
     "default": {},
@@ -56,6 +58,29 @@ VARIANTS: dict[str, dict] = {
         "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
         "networkPolicy": {"metricsNamespaceSelector": {"kubernetes.io/metadata.name": "monitoring"}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    },
+    # Hub ids, a pinned revision, the token from a Secret as env, an existing shared cache claim, a mirror
+    "hub": {
+        "verifier": {"model": TARGET_HUB, "revision": TARGET_SHA},
+        "drafter": {"model": f"{DRAFTER_HUB}@main"},
+        "hub": {"hfTokenSecret": {"name": "hf-token", "key": "hf_token", "mountAs": "env"},
+                "cache": {"existingClaim": "hf-models"}, "endpoint": "https://hf-mirror.internal"},
+    },
+    # TLS everywhere (certificates from existing Secrets) and an external Redis over TLS with a password
+    "tls": {
+        "tls": {"enabled": True, "gatewaySecret": "gw-public-tls", "modelServerSecret": "models-tls",
+                "gatewayClientSecret": "gw-client-tls"},
+        "redis": {"external": {"existingSecret": "crossdraft-redis", "key": "url",
+                               "passwordSecret": {"name": "redis-auth", "key": "password"},
+                               "caSecret": {"name": "redis-ca", "key": "ca.crt"}}},
+    },
+    # the token as a file from the Secret, a PVC the chart creates, no init container; per-pod verifier claims
+    "hub-file-token": {
+        "verifier": {"model": TARGET_HUB, "trustRemoteCode": True,
+                     "modelCache": {"perPodClaim": {"enabled": True, "size": "80Gi"}}},
+        "drafter": {"model": DRAFTER_HUB, "revision": "v1.0"},
+        "hub": {"hfTokenSecret": {"name": "hf-token"}, "download": {"enabled": False},
+                "cache": {"create": {"enabled": True, "size": "300Gi", "storageClassName": "nfs"}}},
     },
 }
 
@@ -208,6 +233,12 @@ def test_crd_kinds_only_when_enabled(render):
     "gateway.ports.http=70000",
     "otel.endpoint=collector:4317",
     "gateway.admission.maxConcurrentRequests=0",
+    "hub.hfTokenSecret.value=hf_plaintext",  # no plain-text token knob: only a Secret reference
+    "hub.token=hf_plaintext",
+    "hub.hfTokenSecret.mountAs=plain",
+    "verifier.revision=main@other",
+    "hub.cache.create.size=lots",
+    "hub.endpoint=mirror.internal",
 ])
 def test_schema_rejects_bad_values(helm, bad_set):
     for cmd in (["template", RELEASE], ["lint"]):
@@ -332,8 +363,8 @@ def test_model_servers_use_grpc_probes(render):
 
 def test_gateway_uses_http_probes(render):
     c = container(gateway(render("default")))
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 50051}
 
@@ -403,6 +434,7 @@ def test_rbac_is_endpointslices_read_only(render, variant):
 # -------------------------------------------------------------------------------- secrets
 
 
+EXTERNAL_REDIS = {"external-redis", "tls"}
 SECRETISH = re.compile(r"(API_KEY|PASSWORD|SECRET|CREDENTIAL|(^|_)TOKEN$|^REDIS_URL$)", re.I)
 
 
@@ -411,17 +443,20 @@ def test_no_plain_text_secrets(render, variant):
     docs = render(variant)
     assert "Secret" not in kinds(docs), "the chart never creates Secrets: it references existing ones"
     for w in workloads(docs):
-        for e in container(w).get("env", []):
-            if SECRETISH.search(e["name"]) and not (e["name"] == "REDIS_URL" and variant != "external-redis"):
-                assert "value" not in e and "secretKeyRef" in e["valueFrom"], (w["metadata"]["name"], e)
+        for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", []):
+            for e in c.get("env", []):
+                if SECRETISH.search(e["name"]) and not (e["name"] == "REDIS_URL" and variant not in EXTERNAL_REDIS):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], (w["metadata"]["name"], e)
     for cm in (d for d in docs if d["kind"] == "ConfigMap"):
         for k, v in cm["data"].items():
             assert not SECRETISH.search(k) and "redis" not in v.lower(), (cm["metadata"]["name"], k)
     env = env_of(gateway(docs))
-    if variant == "external-redis":
+    if variant in EXTERNAL_REDIS:
         assert "value" not in env["REDIS_URL"]
         assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-redis", "key": "url"}
-        assert env["CROSSDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-api-keys", "key": "keys"}
+        if variant == "external-redis":
+            assert env["CROSSDRAFT_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "crossdraft-api-keys",
+                                                                               "key": "keys"}
     else:
         assert env["REDIS_URL"]["value"] == f"redis://{FULL}-redis:6379/0"  # bundled: no credentials in it
         assert "CROSSDRAFT_API_KEYS" not in env
@@ -552,3 +587,172 @@ def test_gateway_drain_matches_the_pod_grace_period(helm, render):
     g = gateway(docs)
     assert "lifecycle" not in container(g)
     assert pod_spec(g)["terminationGracePeriodSeconds"] == 105
+
+
+# -------------------------------------------------------------------------------- Hugging Face Hub ids
+
+
+def _all_env(c) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_hub_ids_revision_token_env_and_shared_cache(render):
+    docs = render("hub")
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm == {"drafter-model": f"{DRAFTER_HUB}@main", "verifier-model": TARGET_HUB, "verifier-revision": TARGET_SHA}
+    for doc, comp in ((drafter(docs), "drafter"), (verifier(docs), "verifier")):
+        spec = pod_spec(doc)
+        (init,) = spec["initContainers"]
+        assert init["name"] == "download-model"
+        assert init["image"] == container(doc)["image"]
+        assert init["command"] == ["python", "-m", "crossdraft.cli", "models", "download"]
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True
+        assert init["resources"]["limits"]["memory"] and "nvidia.com/gpu" not in str(init["resources"])
+        for c in (init, container(doc)):
+            env = _all_env(c)
+            assert env["CROSSDRAFT_MODEL"]["valueFrom"]["configMapKeyRef"] == {"name": f"{FULL}-models",
+                                                                               "key": f"{comp}-model"}
+            if comp == "verifier":
+                assert env["CROSSDRAFT_REVISION"]["valueFrom"]["configMapKeyRef"] == {
+                    "name": f"{FULL}-models", "key": "verifier-revision"}
+            else:
+                assert "CROSSDRAFT_REVISION" not in env  # the @main in the id says it
+            assert env["HF_HOME"]["value"] == "/hf-cache"
+            assert env["HF_TOKEN"] == {"name": "HF_TOKEN",
+                                       "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "hf_token"}}}
+            assert "HF_TOKEN_PATH" not in env
+            assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.internal"
+            assert "CROSSDRAFT_TRUST_REMOTE_CODE" not in env  # never unless asked for
+            assert {"name": "hf-cache", "mountPath": "/hf-cache"} in c["volumeMounts"]
+        # the download happened in the init container: the server only loads, from the cache
+        assert _all_env(container(doc))["HF_HUB_OFFLINE"]["value"] == "1"
+        assert "HF_HUB_OFFLINE" not in _all_env(init)
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["hf-cache"] == {"name": "hf-cache", "persistentVolumeClaim": {"claimName": "hf-models"}}
+        assert "hf-token" not in vols
+    assert "PersistentVolumeClaim" not in kinds(docs)  # an existing claim: nothing created
+    # the gateway takes a Hub model's tokenizer from its server (digest-checked): no Hub, token or cache
+    genv = env_of(gateway(docs))
+    assert not {"CROSSDRAFT_TARGET_TOKENIZER", "CROSSDRAFT_DRAFTER_TOKENIZER", "HF_TOKEN", "HF_HOME"} & set(genv)
+    assert "initContainers" not in pod_spec(gateway(docs))
+
+
+def test_hub_token_file_and_created_cache(render):
+    docs = render("hub-file-token")
+    (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == f"{FULL}-hf-cache"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["storageClassName"] == "nfs"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "300Gi"
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm["drafter-revision"] == "v1.0" and "verifier-revision" not in cm
+    for doc, comp in ((drafter(docs), "drafter"), (verifier(docs), "verifier")):
+        spec, c = pod_spec(doc), container(doc)
+        assert "initContainers" not in spec  # download.enabled=false: the server downloads at startup
+        env = _all_env(c)
+        assert "HF_HUB_OFFLINE" not in env and "HF_TOKEN" not in env
+        assert env["HF_TOKEN_PATH"]["value"] == "/var/run/secrets/huggingface/token"
+        assert env["HF_HOME"]["value"] == "/hf-cache"
+        assert ("CROSSDRAFT_TRUST_REMOTE_CODE" in env) == (comp == "verifier")
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["hf-token"] == {"name": "hf-token", "mountPath": "/var/run/secrets/huggingface",
+                                      "readOnly": True}
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["hf-token"]["secret"] == {"secretName": "hf-token", "defaultMode": 0o440,
+                                              "items": [{"key": "token", "path": "token"}]}
+        assert vols["hf-cache"]["persistentVolumeClaim"]["claimName"] == f"{FULL}-hf-cache"
+    # the per-pod verifier claim still holds /models; the Hub cache is the shared claim beside it
+    assert verifier(docs)["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "models"
+
+
+@pytest.mark.parametrize("variant", ["hub", "hub-file-token"])
+def test_no_token_value_anywhere(render, variant):
+    """The token only ever comes from the Secret: no env value, no ConfigMap entry, no argument."""
+    docs = render(variant)
+    for w in workloads(docs):
+        for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", []):
+            for e in c.get("env", []):
+                if re.search(r"(^|_)TOKEN$", e["name"]):  # HF_TOKEN, HUGGING_FACE_HUB_TOKEN
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], (w["metadata"]["name"], e)
+                assert not str(e.get("value", "")).startswith("hf_"), e
+            assert not [a for a in c.get("args", []) + c.get("command", []) if "hf_" in str(a).lower()]
+    for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        assert not [k for k in cm["data"] if re.search(r"(^|[_-])TOKEN(_PATH)?$", k, re.I)], cm["data"]
+        assert not [v for v in cm["data"].values() if str(v).startswith("hf_")], cm["data"]
+
+
+def test_local_models_keep_their_defaults(render):
+    docs = render("default")
+    for doc in (drafter(docs), verifier(docs)):
+        env = env_of(doc)
+        assert "initContainers" not in pod_spec(doc)
+        assert env["HF_HOME"]["value"] == "/models/huggingface"  # inside the pod's model cache
+        assert not {"HF_HUB_OFFLINE", "HF_TOKEN", "HF_TOKEN_PATH", "CROSSDRAFT_REVISION"} & set(env)
+        assert "hf-cache" not in {v["name"] for v in pod_spec(doc)["volumes"]}
+    assert "PersistentVolumeClaim" not in kinds(docs)
+
+
+# -------------------------------------------------------------------------------- TLS
+
+def _volumes(doc) -> dict[str, dict]:
+    return {v["name"]: v for v in pod_spec(doc)["volumes"]}
+
+
+def _mounts(doc) -> dict[str, dict]:
+    return {m["name"]: m for m in container(doc)["volumeMounts"]}
+
+
+def test_tls_certificates_are_files_from_secrets_and_probes_follow(render):
+    docs = render("tls")
+    for doc, grpc_port in ((drafter(docs), 50061), (verifier(docs), 50062)):
+        c, env = container(doc), env_of(doc)
+        assert env["CROSSDRAFT_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/server/tls.crt"
+        assert env["CROSSDRAFT_TLS_KEY_FILE"]["value"] == "/etc/crossdraft/tls/server/tls.key"
+        assert env["CROSSDRAFT_TLS_CLIENT_CA_FILE"]["value"] == "/etc/crossdraft/tls/server/ca.crt"  # mutual TLS
+        assert env["CROSSDRAFT_HEALTH_PORT"]["value"] == "50070"
+        assert _volumes(doc)["tls-server"]["secret"]["secretName"] == "models-tls"
+        assert _mounts(doc)["tls-server"] == {"name": "tls-server", "mountPath": "/etc/crossdraft/tls/server",
+                                              "readOnly": True}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": grpc_port, "metrics": 9090, "health": 50070}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the kubelet has no client certificate
+            assert c[probe]["grpc"] == {"port": 50070, "service": ""}
+    g = gateway(docs)
+    c, env = container(g), env_of(g)
+    assert env["CROSSDRAFT_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/public/tls.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_CA_FILE"]["value"] == "/etc/crossdraft/tls/client/ca.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_CERT_FILE"]["value"] == "/etc/crossdraft/tls/client/tls.crt"
+    assert env["CROSSDRAFT_UPSTREAM_TLS_SERVER_NAME"]["value"] == f"{FULL}-modelserver"
+    vols = _volumes(g)
+    assert vols["tls-public"]["secret"]["secretName"] == "gw-public-tls"
+    assert vols["tls-client"]["secret"]["secretName"] == "gw-client-tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+    # Redis over TLS: password from its Secret, the CA as a file
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-auth", "key": "password"}
+    assert env["CROSSDRAFT_REDIS_TLS_CA_FILE"]["value"] == "/etc/crossdraft/redis-ca/ca.crt"
+    assert vols["redis-ca"]["secret"] == {"secretName": "redis-ca", "defaultMode": 0o440,
+                                          "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    # the health-only port is open to probes; gRPC still only from the gateway
+    pols = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    rules = pols[f"{FULL}-verifier"]["ingress"]
+    assert rules[0]["ports"] == [{"port": "grpc", "protocol": "TCP"}] and "from" in rules[0]
+    assert {"ports": [{"port": "health", "protocol": "TCP"}]} in rules
+    # nothing secret in the manifests: no certificate or key material, only Secret references and paths
+    text = yaml.safe_dump_all(docs)
+    assert "BEGIN" not in text and "PRIVATE" not in text
+
+
+def test_tls_off_renders_no_tls(render):
+    docs = render("default")
+    for doc in (drafter(docs), verifier(docs), gateway(docs)):
+        assert not [k for k in env_of(doc) if "TLS" in k or k == "CROSSDRAFT_HEALTH_PORT"]
+        assert not [v for v in _volumes(doc) if v.startswith("tls-")]
+
+
+def test_tls_without_its_secrets_is_refused_with_the_value_to_set(helm):
+    r = _run([helm, "template", RELEASE, str(CHART), "--set", "tls.enabled=true",
+              "--set", "tls.modelServerSecret=m"])
+    assert r.returncode != 0 and "tls.gatewaySecret is required with tls.enabled" in r.stderr
+    r = _run([helm, "template", RELEASE, str(CHART), "--set", "tls.healthPort=0"])
+    assert r.returncode != 0 and "healthPort" in r.stderr

@@ -36,10 +36,34 @@ def test_table_is_cached_on_disk_per_model_file(pair, tmp_path, monkeypatch):
     first = costs.forward_ms(loaded, 5)
     assert len(first) == 5 and list((tmp_path / "home" / "costs").glob("*.json"))
     monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again instead of reading the cache"))
+    monkeypatch.setattr(costs, "quick_ms", lambda *a, **k: first[0])  # this start is no faster than the cache says
     assert costs.forward_ms(loaded, 5) == first
     f.write_bytes(b"other weights, other size")  # another model file: another key
     with pytest.raises(pytest.fail.Exception):
         costs.forward_ms(loaded, 5)
+
+
+def test_a_table_measured_on_a_busy_machine_is_measured_again_and_the_minimum_kept(pair, tmp_path, monkeypatch):
+    """A cached table that a start's quick one-token timing shows to be too slow (measured while the
+    machine was busy) is re-measured; the cache then holds the minimum of both, size by size."""
+    target, _ = pair
+    monkeypatch.setenv("CROSSDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"weights")
+    loaded = SimpleNamespace(model=target.model, device=target.device, dtype=torch.float32, path=f)
+    busy = [100.0, 110.0, 120.0, 130.0, 140.0]
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: list(busy))
+    assert costs.forward_ms(loaded, 5) == busy  # first start: measured while busy, cached
+    calm = [50.0, 50.0, 200.0, 60.0, 70.0]  # the calm run is faster except where the busy one was
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: list(calm))
+    monkeypatch.setattr(costs, "quick_ms", lambda *a, **k: 55.0)  # < 0.8 x 100: the cache is too slow
+    want = [50.0, 50.0, 120.0, 120.0, 120.0]  # the minimum of both, made non-decreasing
+    assert costs.forward_ms(loaded, 5) == want
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(costs, "quick_ms", lambda *a, **k: 90.0)  # a slow start now: keep the cache
+    assert costs.forward_ms(loaded, 5) == want
+    assert costs.quick_ms(target.model, target.device) > 0  # the real quick timing runs
 
 
 def test_static_profile_turns_measuring_off(pair, monkeypatch):

@@ -291,7 +291,7 @@ def test_runtime_metadata(dockerfile):
     hc = health[-1].args
     assert not hc.upper().startswith("NONE") and " CMD " in f" {hc} ", f"{path.name}: HEALTHCHECK {hc}"
     probe = " ".join(exec_form(hc[hc.index("CMD") + 3:].strip()))
-    assert ("/readyz" in probe or "/healthz" in probe) if service == "gateway" else "wait_healthy" in probe, probe
+    assert probe == f"python -m crossdraft.healthcheck {service}", probe  # TLS-aware (tests/e2e/test_tls.py)
 
     exposed = {p.split("/")[0] for e in final.all("EXPOSE") for p in e.args.split()}
     assert ports <= exposed, f"{path.name}: EXPOSE {sorted(exposed)} lacks {sorted(ports - exposed)}"

@@ -216,3 +216,107 @@ spec:
     {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* "true" when a model spec is a Hugging Face Hub id, org/name[@revision] (else empty):
+include "crossdraft.isHubId" .Values.drafter.model. Local HF directories are absolute paths. */}}
+{{- define "crossdraft.isHubId" -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[^\\s@]+)?$" (toString .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Claim of the shared Hub cache (hub.cache), or empty: include "crossdraft.hfCacheClaim" $. */}}
+{{- define "crossdraft.hfCacheClaim" -}}
+{{- if .Values.hub.cache.existingClaim -}}
+{{- .Values.hub.cache.existingClaim -}}
+{{- else if .Values.hub.cache.create.enabled -}}
+{{- include "crossdraft.componentName" (list . "hf-cache") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* HF_HOME of the model servers: the shared claim, else inside the pod's /models cache. */}}
+{{- define "crossdraft.hfHome" -}}
+{{- if include "crossdraft.hfCacheClaim" . -}}/hf-cache{{- else -}}/models/huggingface{{- end -}}
+{{- end -}}
+
+{{/* Env of a model server and of its download init container for Hub ids (revision, token, cache):
+include "crossdraft.hubEnv" (list $ "drafter"). The token only ever comes from the Secret. */}}
+{{- define "crossdraft.hubEnv" -}}
+{{- $root := index . 0 -}}
+{{- $comp := index . 1 -}}
+{{- $v := index $root.Values $comp -}}
+{{- $hub := $root.Values.hub -}}
+- name: HF_HOME
+  value: {{ include "crossdraft.hfHome" $root | quote }}
+- name: HF_HUB_DISABLE_TELEMETRY
+  value: "1"
+{{- if $v.revision }}
+- name: CROSSDRAFT_REVISION
+  valueFrom:
+    configMapKeyRef:
+      name: {{ include "crossdraft.modelsConfigName" $root }}
+      key: {{ $comp }}-revision
+{{- end }}
+{{- if $v.trustRemoteCode }}
+- name: CROSSDRAFT_TRUST_REMOTE_CODE
+  value: "true"
+{{- end }}
+{{- with $hub.endpoint }}
+- name: HF_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- if $hub.hfTokenSecret.name }}
+{{- if eq $hub.hfTokenSecret.mountAs "env" }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $hub.hfTokenSecret.name }}
+      key: {{ $hub.hfTokenSecret.key }}
+{{- else }}
+- name: HF_TOKEN_PATH
+  value: /var/run/secrets/huggingface/token
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Mounts of the shared Hub cache and of the token file, when used: include "crossdraft.hubMounts" $. */}}
+{{- define "crossdraft.hubMounts" -}}
+{{- if include "crossdraft.hfCacheClaim" . }}
+- name: hf-cache
+  mountPath: /hf-cache
+{{- end }}
+{{- if and .Values.hub.hfTokenSecret.name (eq .Values.hub.hfTokenSecret.mountAs "file") }}
+- name: hf-token
+  mountPath: /var/run/secrets/huggingface
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Volumes behind crossdraft.hubMounts: include "crossdraft.hubVolumes" $. */}}
+{{- define "crossdraft.hubVolumes" -}}
+{{- with include "crossdraft.hfCacheClaim" . }}
+- name: hf-cache
+  persistentVolumeClaim:
+    claimName: {{ . }}
+{{- end }}
+{{- if and .Values.hub.hfTokenSecret.name (eq .Values.hub.hfTokenSecret.mountAs "file") }}
+- name: hf-token
+  secret:
+    secretName: {{ .Values.hub.hfTokenSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.hub.hfTokenSecret.key }}
+        path: token
+{{- end }}
+{{- end -}}
+
+{{/* TLS (tls.*): the name the gateway checks in the model servers' certificate. */}}
+{{- define "crossdraft.modelServerName" -}}
+{{- .Values.tls.modelServerName | default (printf "%s-modelserver" (include "crossdraft.fullname" .)) -}}
+{{- end -}}
+
+{{/* A required TLS Secret name: include "crossdraft.tlsSecret" (list $ "gatewaySecret"). */}}
+{{- define "crossdraft.tlsSecret" -}}
+{{- $root := index . 0 -}}
+{{- $key := index . 1 -}}
+{{- required (printf "tls.%s is required with tls.enabled (an existing Secret with tls.crt, tls.key, ca.crt)" $key) (index $root.Values.tls $key) -}}
+{{- end -}}
+

@@ -6,6 +6,8 @@ include "crossdraft.modelServerPodTemplate" (list $ "drafter").
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
 {{- $v := index $root.Values $comp -}}
+{{- $hubModel := include "crossdraft.isHubId" $v.model -}}
+{{- $download := and $hubModel $root.Values.hub.download.enabled -}}
 metadata:
   labels:
     {{- include "crossdraft.labels" . | nindent 4 }}
@@ -31,6 +33,38 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
+  {{- if $download }}
+  # Downloads the Hub model into the cache once, before the server starts (startup probes then
+  # cover only loading); a model already in the cache costs one revision lookup.
+  initContainers:
+    - name: download-model
+      image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
+      imagePullPolicy: {{ include "crossdraft.pullPolicy" (list $root $v.image) }}
+      command: ["python", "-m", "crossdraft.cli", "models", "download"]
+      env:
+        - name: CROSSDRAFT_MODEL
+          valueFrom:
+            configMapKeyRef:
+              name: {{ include "crossdraft.modelsConfigName" $root }}
+              key: {{ $comp }}-model
+        - name: CROSSDRAFT_HOME
+          value: /models
+        - name: HOME
+          value: /tmp
+        {{- include "crossdraft.hubEnv" . | nindent 8 }}
+      resources:
+        {{- toYaml $root.Values.hub.download.resources | nindent 8 }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: models
+          mountPath: /models
+        - name: tmp
+          mountPath: /tmp
+        {{- with (include "crossdraft.hubMounts" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
+  {{- end }}
   containers:
     - name: {{ $comp }}
       image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
@@ -42,6 +76,11 @@ spec:
         - name: metrics
           containerPort: {{ $v.ports.metrics }}
           protocol: TCP
+        {{- if $root.Values.tls.enabled }}
+        - name: health
+          containerPort: {{ $root.Values.tls.healthPort }}
+          protocol: TCP
+        {{- end }}
       env:
         - name: CROSSDRAFT_MODEL
           valueFrom:
@@ -78,10 +117,26 @@ spec:
           value: {{ $v.batching.kvCacheMemoryFraction | quote }}
         - name: CROSSDRAFT_LOG_LEVEL
           value: {{ $v.logLevel | quote }}
+        {{- if $root.Values.tls.enabled }}
+        # mutual TLS: files from the Secret tls.modelServerSecret (re-read when they rotate)
+        - name: CROSSDRAFT_TLS_CERT_FILE
+          value: /etc/crossdraft/tls/server/tls.crt
+        - name: CROSSDRAFT_TLS_KEY_FILE
+          value: /etc/crossdraft/tls/server/tls.key
+        - name: CROSSDRAFT_TLS_CLIENT_CA_FILE
+          value: /etc/crossdraft/tls/server/ca.crt
+        - name: CROSSDRAFT_HEALTH_PORT
+          value: {{ $root.Values.tls.healthPort | quote }}
+        {{- end }}
         - name: CROSSDRAFT_HOME
           value: /models
         - name: HOME
           value: /tmp
+        {{- include "crossdraft.hubEnv" . | nindent 8 }}
+        {{- if $download }}
+        - name: HF_HUB_OFFLINE
+          value: "1"
+        {{- end }}
         {{- with (include "crossdraft.otelEnv" . | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -90,21 +145,24 @@ spec:
         {{- end }}
       startupProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.startupProbe.periodSeconds }}
         failureThreshold: {{ $v.startupProbe.failureThreshold }}
         timeoutSeconds: {{ $v.startupProbe.timeoutSeconds }}
       readinessProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.readinessProbe.periodSeconds }}
         failureThreshold: {{ $v.readinessProbe.failureThreshold }}
         timeoutSeconds: {{ $v.readinessProbe.timeoutSeconds }}
       livenessProbe:
         grpc:
-          port: {{ $v.ports.grpc }}
+          # with TLS: the plaintext health-only port (the kubelet cannot present a client certificate)
+          port: {{ ternary $root.Values.tls.healthPort $v.ports.grpc $root.Values.tls.enabled }}
           service: ""
         periodSeconds: {{ $v.livenessProbe.periodSeconds }}
         failureThreshold: {{ $v.livenessProbe.failureThreshold }}
@@ -120,6 +178,14 @@ spec:
           mountPath: /tmp
         - name: dshm
           mountPath: /dev/shm
+        {{- if $root.Values.tls.enabled }}
+        - name: tls-server
+          mountPath: /etc/crossdraft/tls/server
+          readOnly: true
+        {{- end }}
+        {{- with (include "crossdraft.hubMounts" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
   volumes:
     {{- if not (and (eq $comp "verifier") $v.modelCache.perPodClaim.enabled (not $v.modelCache.existingClaim)) }}
     {{- include "crossdraft.modelCacheVolume" $v.modelCache | nindent 4 }}
@@ -130,6 +196,15 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: 1Gi
+    {{- if $root.Values.tls.enabled }}
+    - name: tls-server
+      secret:
+        secretName: {{ include "crossdraft.tlsSecret" (list $root "modelServerSecret") }}
+        defaultMode: 0440
+    {{- end }}
+    {{- with (include "crossdraft.hubVolumes" $root | trim) }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- with $v.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
