@@ -133,7 +133,13 @@ class OwnKV:
         pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
         kw = dict(input_ids=inp, position_ids=pos, cache_position=pos[0], cache=self.cache, use_cache=True)
         if head is None:
-            return self.model(**kw, logits_to_keep=keep).logits[0, -keep:, :]
+            # the kept positions as an index tensor, not an int: transformers then gathers them into a
+            # fresh [1, keep, hidden] tensor; with an int it slices a view whose batch stride is that of
+            # the whole feed, and a bf16 linear over such a view takes a slow path on CPU (measured on an
+            # AMX Xeon, qwen2.5-coder-0.5b: 5 tokens fed, 1 kept: 700 ms instead of 88 ms)
+            n = len(feed)
+            kept = keep if keep >= n else torch.arange(n - keep, n, device=self.device)
+            return self.model(**kw, logits_to_keep=kept).logits[0, -keep:, :]
         h = self.model.model(**kw).last_hidden_state[0, -keep:]
         return torch.nn.functional.linear(h, head)
 
