@@ -225,3 +225,29 @@ def test_rounds_feed_drafter_and_target_exactly_once(eng, greedy):
         assert pos == list(range(cache_len, cache_len + len(fed)))
     for cache_len, ids, _ in verifies[1:]:
         assert cache_len == len(ids) - 1  # only the target's last token is pending
+
+
+def test_the_lm_head_sees_only_the_kept_rows_as_a_fresh_tensor(target):
+    """Work counted in the LM head: a forward that keeps fewer rows than it feeds (a prefill, the
+    drafter's first step of a block, a verification with an uncached tail) runs the head on exactly
+    the kept rows, gathered into a tensor of their own. (A strided view of the feed's hidden states
+    sent a bf16 head down a ~40x slower path on an AMX CPU; see benchmarks/results/notes.md.)"""
+    from crossdraft.sessions import OwnKV
+
+    seen = []
+    h = target.model.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        kv = OwnKV(target.model, target.device)
+        ids = list(range(5, 17))
+        out = kv.run(0, ids, keep=1)  # a prefill keeping one row
+        out3 = kv.run(12, [20, 21, 22, 23], keep=3)  # a block: the tail + drafts, three rows kept
+    finally:
+        h.remove()
+    assert out.shape[0] == 1 and out3.shape[0] == 3
+    assert [tuple(x.shape[:2]) for x in seen] == [(1, 1), (1, 3)]  # the head computed only the kept rows
+    for x in seen:  # each a tensor of its own, not a view into the feed's [1, n, hidden] states
+        assert x.storage_offset() == 0 and x.stride()[0] == x.shape[1] * x.shape[2]
+    ref = OwnKV(target.model, target.device)
+    full = ref.run(0, ids + [20, 21, 22, 23], keep=16)
+    torch.testing.assert_close(out[0], full[11], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out3, full[13:16], atol=1e-5, rtol=0)
