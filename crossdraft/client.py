@@ -60,14 +60,10 @@ class Client:
                  tls_key_file: str | None = None, tls_server_name: str | None = None, api_key: str | None = None):
         if channel is None:
             if tls or tls_ca_file or tls_cert_file:
-                def read(p):
-                    with open(p, "rb") as f:
-                        return f.read()
+                from .tls import TLSConfig, channel_credentials
 
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=read(tls_ca_file) if tls_ca_file else None,
-                    private_key=read(tls_key_file) if tls_key_file else None,
-                    certificate_chain=read(tls_cert_file) if tls_cert_file else None)
+                creds = channel_credentials(TLSConfig(cert_file=tls_cert_file or "", key_file=tls_key_file or "",
+                                                      ca_file=tls_ca_file or ""))
                 opts = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
                 channel = grpc.secure_channel(address, creds, options=opts)
             else:
