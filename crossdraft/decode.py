@@ -266,11 +266,14 @@ class Decoder:
             self.verifier.sync(sid, t_ids)  # the verifier lost or diverged from the session: rebuild
             return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed, **kw)
 
-    def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode):
+    def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode,
+               stop_cumulative: float = 0.0):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
         key = self.pair.keys[mode]
         kw = dict(k=k, round_index=round_index, params=params, seed=seed, stop_below=stop_below, allowed_key=key,
                   timeout_s=self.drafter_timeout_s)
+        if stop_cumulative > 0:  # ports without it still work
+            kw["stop_cumulative"] = stop_cumulative
         try:
             toks = self.drafter.draft(sid, d.pending(), self._expect(d.ids), **kw)
         except (NotFound, FailedPrecondition):
@@ -341,6 +344,13 @@ class Decoder:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
         req.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         req.k = req.draft.num_draft_tokens
+        if req.spec:
+            sc = req.draft.stop_cumulative
+            # confident blocks: the drafter's doubt ends each block (greedy by default: replayed
+            # traces of sampling were not measured)
+            req.policy.confident = req.draft.adaptive and (sc > 0 if sc is not None else req.params.greedy)
+            if req.policy.confident:
+                req.k = req.policy.hi
         if req.spec and req.policy.measured:
             req.policy.batch = self._load
             if self._load > 1.5 and not req.policy.pays():
@@ -434,7 +444,9 @@ class Decoder:
         t0 = time.perf_counter()
         toks: list = []
         try:
-            toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode)
+            sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
+            toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode,
+                               sc)
         except (Unavailable, ResourceExhausted, InvalidArgument) as e:  # the request goes on target-only
             req.drafter_failed(e)
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0

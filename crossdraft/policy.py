@@ -21,6 +21,11 @@ class DraftConfig:
     min_draft_tokens: int = 1  # lower bound for adaptive k
     max_draft_tokens: int = 10  # upper bound for adaptive k
     stop_below: float = 0.3  # stop a block early once the drafter's own probability of its token is below this
+    # stop a block early once the product of its proposals' probabilities (the drafter's estimate
+    # that the whole block is accepted) is below this. None: chosen from the costs for greedy
+    # adaptive decoding (a block then runs up to max_draft_tokens and the drafter's doubt ends it),
+    # off otherwise; 0 = off
+    stop_cumulative: float | None = None
     # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
     allow_skip: bool = True
     resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
@@ -41,6 +46,8 @@ class DraftConfig:
             raise InvalidArgument("max_draft_tokens", "need 1 <= min_draft_tokens <= max_draft_tokens <= 64")
         if not 0.0 <= self.stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {self.stop_below}")
+        if self.stop_cumulative is not None and not 0.0 <= self.stop_cumulative < 1.0:
+            raise InvalidArgument("stop_cumulative", f"must be in [0, 1), got {self.stop_cumulative}")
         if self.resync_window < 1:
             raise InvalidArgument("resync_window", "must be >= 1")
 
@@ -69,6 +76,15 @@ class DraftPolicy:
     of tokens, it keeps paying. rate(k) then compares E(k) tokens per v(B(k+1)) + k c d(B) with
     one token per v(B); at B = 1 this is the single-session rule. The drafter's table
     (``drafter_costs``, d(n) for n = 1..M) gives d(B); without it d(B) = B.
+
+    Confident mode (``confident``, greedy by default): the drafter ends each block itself once the
+    product of its proposals' probabilities falls below :meth:`cumulative_stop`, a threshold that
+    grows with the drafter's cost (a costly drafter must be surer to be worth another step). Blocks
+    then run up to the upper bound and are as long as the drafter is sure, which follows easy and
+    hard stretches of the text within a round instead of over rounds; the acceptance model only
+    decides whether to draft at all. (Replayed on recorded acceptance traces of a 0.5B drafter for
+    a 1.5B target -- drafter step 0.45 of a target step, 16 code/prose/SQL/Chinese prompts -- this
+    gave 1.52x target-only against 1.37x for the per-round k of the acceptance model.)
 
     Costs: ``c`` and ``verify_costs`` (v(m) for m = 1..M, relative to v(1)) come either from the
     model servers' measured forward times (``measured=True``: on CPUs the verification forward
@@ -108,6 +124,7 @@ class DraftPolicy:
         self.probing = False
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
+        self.confident = False  # blocks end on the drafter's doubt (cumulative_stop); k is the upper bound
 
     def alpha(self) -> float:
         return min(0.98, max(0.02, self.succ / self.trials))
@@ -162,6 +179,18 @@ class DraftPolicy:
         # against b tokens for v(b) (target-only); b = 1 is one session alone
         return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * self.c * self.scale_d * self.dcost(b))
 
+    def cumulative_stop(self) -> float:
+        """The threshold of the block's cumulative drafter probability below which the drafter stops.
+
+        Another proposal gains about (that product) x (the acceptance of one more token) tokens
+        and costs one drafter step, c_eff target steps; it is worth it while that gain beats what
+        the step would give elsewhere (~1.4 c_eff, tuned on recorded traces; capped at 0.9)."""
+        if self.cfg.stop_cumulative is not None:
+            return self.cfg.stop_cumulative
+        b = self.batch if self.measured else 1.0
+        c_eff = self.c * self.scale_d * self.dcost(b) / (self.scale_v * self.vcost(b))
+        return min(0.9, 1.4 * c_eff)
+
     def pays(self) -> bool:
         """Whether some block size is expected to beat target-only now (no state changes)."""
         cfg = self.cfg
@@ -188,12 +217,12 @@ class DraftPolicy:
                 # outcome dominate (a light, pessimistic prior of weight 1) instead of nudging a stale estimate
                 self.probing = True
                 self.succ, self.trials = 0.3, 1.0
-                return min(self.hi, max(cfg.min_draft_tokens, 2))
+                return self.hi if self.confident else min(self.hi, max(cfg.min_draft_tokens, 2))
             return 0
         self.skipped = 0
         self.probing = False
         self.wait = self.interval
-        return best
+        return self.hi if self.confident else best
 
 
 def _table(t: list[float], x: float, slope: float) -> float:

@@ -66,5 +66,6 @@ class DrafterPort(ModelPort, Protocol):
 
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
-              timeout_s: float | None = None) -> "list[DraftToken]":
-        """Apply the edit, then propose up to k tokens of the mask `allowed_key`."""
+              timeout_s: float | None = None, stop_cumulative: float = 0.0) -> "list[DraftToken]":
+        """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
+        early on the drafter's own doubt: see DrafterSession.draft_iter)."""

@@ -424,12 +424,17 @@ class DrafterSession(_ModelSession):
         return self.forward(props, keep=1, head=allowed.head)[0].float()
 
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
-                   stop_below: float = 0.0):
+                   stop_below: float = 0.0, stop_cumulative: float = 0.0):
         """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
-        the proposals stay in the cache so that an edit keeping them costs nothing)."""
+        the proposals stay in the cache so that an edit keeping them costs nothing).
+
+        The block ends early after a proposal whose own probability is below ``stop_below``, or once
+        the product of the block's proposal probabilities (the drafter's estimate that the whole
+        block is accepted) is below ``stop_cumulative``."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
         presence = None
         props: list[int] = []
+        cum = 1.0
         for i in range(k):
             t0 = time.perf_counter()
             logits = self._compact_logits(allowed, props)  # [A]; feeds the uncached tail (the last proposal)
@@ -447,7 +452,7 @@ class DrafterSession(_ModelSession):
             processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
             if params.greedy:
                 j = int(torch.argmax(processed))
-                conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 else 1.0
+                conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0
                 q_ids = q_probs = None
             else:
                 pr = torch.softmax(processed, dim=-1)
@@ -459,7 +464,8 @@ class DrafterSession(_ModelSession):
                 q_probs = vals.numpy().astype(np.float32)
             tok = int(allowed.ids[j])
             props.append(tok)  # the next forward feeds exactly this proposal
-            last = i == k - 1 or conf < stop_below
+            cum *= conf
+            last = i == k - 1 or conf < stop_below or cum < stop_cumulative
             yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last)
             if last:
                 break

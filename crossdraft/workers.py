@@ -477,18 +477,20 @@ class DrafterWorker(_Worker):
             return Expect.of(sess.ids)
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
-                   seed: int, stop_below: float, allowed_key: str):
+                   seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting)."""
         check_int("num_draft_tokens", k, 1, 64)
         _check_draws(round_index, seed)
         if not 0.0 <= stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
+        if not 0.0 <= stop_cumulative < 1.0:
+            raise InvalidArgument("stop_cumulative_below", f"must be in [0, 1), got {stop_cumulative}")
         with self.lock:
             allowed = self.allowed(allowed_key)
         with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
-            it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below)
+            it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative)
         # the session is held per token, never across a yield: a consumer that stops reading (a
         # cancelled stream) blocks nothing
         while True:
@@ -501,10 +503,12 @@ class DrafterWorker(_Worker):
             yield tok
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
-              seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None) -> list[DraftToken]:
+              seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
+              stop_cumulative: float = 0.0) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
         drafters: in process there is no wire to wait on)."""
-        return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key))
+        return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
+                                    stop_cumulative))
 
 
 __all__ = ["DrafterWorker", "Expect", "ModelSessionCache", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]

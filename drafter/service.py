@@ -65,7 +65,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         params = wire.params_from_proto(request.params)
         it = w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
                           int(request.round_index), params, int(request.seed), float(request.stop_below),
-                          request.allowed_key)
+                          request.allowed_key, float(request.stop_cumulative_below))
         return self._stream(it, context, int(request.num_draft_tokens))
 
     def _stream(self, it, context, k: int):

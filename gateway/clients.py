@@ -213,11 +213,12 @@ class RemoteDrafter(_Remote):
                        drafter_pb2.ForkDrafterSessionRequest(source_session_id=src, session_id=dst))
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
-    def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None):
+    def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
+              stop_cumulative=0.0):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
-                                       allowed_key=allowed_key)
+                                       allowed_key=allowed_key, stop_cumulative_below=stop_cumulative)
         if edit is not None:
             req.edit.keep = edit[0]
             req.edit.append.extend(edit[1])

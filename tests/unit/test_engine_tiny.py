@@ -364,7 +364,8 @@ def test_a_drafter_whose_context_runs_out_falls_back_instead_of_failing(target, 
     eng = Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
     prompt = PROMPTS[3]
     n_d = len(eng.pair.encode_drafter(prompt))
-    eng.drafter_worker.max_context = n_d - 1 if where == "at the start" else n_d + 6
+    # mid-request: room for the first block (greedy blocks may run to max_draft_tokens) and a few more
+    eng.drafter_worker.max_context = n_d - 1 if where == "at the start" else n_d + DraftConfig().max_draft_tokens + 4
     ref = eng.generate(prompt, max_new_tokens=40, use_drafter=False)
     for temperature in (0.0, 0.8):
         params = SamplingParams(temperature=temperature)
