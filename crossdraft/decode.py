@@ -351,6 +351,8 @@ class Decoder:
             req.policy.confident = req.draft.adaptive and (sc > 0 if sc is not None else req.params.greedy)
             if req.policy.confident:
                 req.k = req.policy.hi
+            if req.draft.adaptive and not req.policy.could_pay():
+                req.k = 0  # not even a drafter that is nearly always right would pay: probe later
         if req.spec and req.policy.measured:
             req.policy.batch = self._load
             if self._load > 1.5 and not req.policy.pays():
@@ -401,12 +403,13 @@ class Decoder:
                            req.top_logprobs)
         verify_wall = time.perf_counter() - t_verify
         kd, n = len(drafted.target_ids), res.num_accepted
+        if req.spec:  # the first block's acceptance counts too (only its times include the prefill)
+            req.policy.observe(kd, n)
         if req.first:
             stats.prefill_s += res.forward_s
         else:
             stats.verify_s += res.forward_s
             if req.spec:
-                req.policy.observe(kd, n)
                 # how many sessions share the verifier's forwards (its recent senders; else this batch's rows)
                 load = getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1
                 req.policy.observe_batch(load)

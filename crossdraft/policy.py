@@ -134,8 +134,6 @@ class DraftPolicy:
             d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
-            if n == k:  # a whole block accepted: drafting pays here again, probe at the usual pace
-                self.interval = self.probe_every
 
     def vcost(self, m: float) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
@@ -199,6 +197,16 @@ class DraftPolicy:
         best = max(self.rate(k) for k in range(cfg.min_draft_tokens, self.hi + 1))
         return best >= (self.margin if self.measured else 1.0)
 
+    def could_pay(self, alpha: float = 0.95) -> bool:
+        """Whether drafting would pay even at a high acceptance (no state changes): a drafter
+        nearly as costly as its target cannot, and then a request starts target-only."""
+        saved = self.succ, self.trials
+        self.succ, self.trials = alpha, 1.0
+        try:
+            return self.pays()
+        finally:
+            self.succ, self.trials = saved
+
     def next_k(self) -> int:
         cfg = self.cfg
         if not cfg.adaptive:
@@ -206,6 +214,10 @@ class DraftPolicy:
         best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
         need = self.margin if self.measured else 1.0
         if cfg.allow_skip and self.rate(best) < need:
+            if not self.could_pay():  # no acceptance would make drafting pay: no probes either
+                self.skipped += 1
+                self.probing = False
+                return 0
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
                 self.interval = min(self.max_probe_every, self.interval * 2)
                 self.wait = self.interval
@@ -221,7 +233,7 @@ class DraftPolicy:
             return 0
         self.skipped = 0
         self.probing = False
-        self.wait = self.interval
+        self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
         return self.hi if self.confident else best
 
 

@@ -245,6 +245,7 @@ def _overrides(kind: str, s: Servers) -> dict:
         "top_p": st.one_of(st.floats(0, 1), DOUBLE),
         "repetition_penalty": st.one_of(st.floats(0, 3), DOUBLE),
         "stop_below": st.one_of(st.floats(0, 1), DOUBLE),
+        "stop_cumulative_below": st.one_of(st.floats(0, 1), DOUBLE),
         "prompt": st.one_of(TEXT, LONG_TEXT), "content": st.one_of(TEXT, LONG_TEXT),
     }
 
@@ -468,7 +469,8 @@ def valid_request(draw, s: Servers, kind: str, rpc: str):
         req = drafter_pb2.DraftRequest(session_id=sid, expect=_check(after), num_draft_tokens=draw(st.integers(1, 8)),
                                        round_index=draw(st.integers(0, 2**63 - 1)), params=_valid_params(draw),
                                        seed=draw(st.integers(0, 2**63 - 1)), stop_below=draw(st.floats(0, 0.99)),
-                                       allowed_key=draw(st.sampled_from(["", FUZZ_KEY])))
+                                       allowed_key=draw(st.sampled_from(["", FUZZ_KEY])),
+                                       stop_cumulative_below=draw(st.one_of(st.just(0.0), st.floats(0, 0.99))))
         if edit is not None:
             req.edit.CopyFrom(edit)
         return req

@@ -154,3 +154,40 @@ def test_pays_tells_whether_a_new_request_should_start_drafting():
                         measured=True)
     fixed.batch = 16.0
     assert fixed.pays()  # a fixed block size is the caller's choice
+
+
+def test_confident_mode_runs_blocks_to_the_bound_and_lets_the_drafter_end_them():
+    pol = DraftPolicy(DraftConfig(max_draft_tokens=12), 0.2, verify_costs=FLAT_TABLE, measured=True)
+    pol.confident = True
+    assert _run(pol, 6, lambda k: k)[1:] == [12] * 5
+    # nothing accepted: drafting stops within a few rounds, and each probe is a full (confident) block
+    pol = DraftPolicy(DraftConfig(max_draft_tokens=12), 0.2, verify_costs=FLAT_TABLE, measured=True)
+    pol.confident = True
+    ks = _run(pol, 40, lambda k: 0)
+    assert all(k == 0 for k in ks[3:8]) and ks.count(0) >= 33 and all(k in (0, 4, 12) for k in ks), ks
+
+
+def test_the_cumulative_threshold_follows_the_drafters_cost():
+    taus = []
+    for c in (0.05, 0.2, 0.45, 0.9):
+        pol = DraftPolicy(DraftConfig(), c, verify_costs=FLAT_TABLE, measured=True)
+        taus.append(pol.cumulative_stop())
+    assert taus == sorted(taus) and taus[0] < 0.1 and taus[-1] == 0.9  # a costly drafter must be surer; capped
+    pol = DraftPolicy(DraftConfig(), 0.45, verify_costs=FLAT_TABLE, measured=True)
+    slow = pol.cumulative_stop()
+    pol.observe_time(4, 4 * 0.45 * 2.0 * 0.1, 5, 0.1, 0.1)  # the drafter ran twice as slow as its table
+    assert pol.cumulative_stop() > slow
+    assert DraftPolicy(DraftConfig(stop_cumulative=0.25), 0.45).cumulative_stop() == 0.25
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.5])
+def test_bad_cumulative_threshold_is_refused(bad):
+    with pytest.raises(InvalidArgument, match="stop_cumulative"):
+        DraftConfig(stop_cumulative=bad)
+
+
+def test_could_pay_rules_out_a_drafter_as_costly_as_its_target():
+    assert DraftPolicy(DraftConfig(), 0.45, verify_costs=FLAT_TABLE, measured=True).could_pay()
+    pol = DraftPolicy(DraftConfig(), 1.0, verify_costs=FLAT_TABLE, measured=True)
+    before = pol.alpha()
+    assert not pol.could_pay() and pol.alpha() == before

@@ -130,6 +130,41 @@ def test_drafter_feeds_one_token_per_draft_step(eng, k):
     assert sess.cache_repairs == 0
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_confident_block_ends_where_the_drafters_own_estimate_drops(eng, greedy):
+    """stop_cumulative: the block ends after the first proposal at which the product of the
+    proposals' probabilities (computed here from scratch) falls below the threshold; that costs
+    exactly one forward per proposal, and the proposals are those of the unbounded block."""
+    model = eng.drafter.model
+    allowed = _allowed(eng)
+    ids = eng.pair.encode_drafter(PROMPTS[0])
+    params = SamplingParams() if greedy else SamplingParams(temperature=1.0)
+    sess = DrafterSession(model, ids, eng.drafter.device)
+    full = list(sess.draft_iter(8, 3, params, 7, allowed))
+    props = [t.id for t in full]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + props])).logits[0, len(ids) - 1:].float()
+    probs = torch.softmax(logits[:, allowed.ids], dim=-1)
+    if not greedy:  # sampling: the probability of the sampled token in the (truncated) distribution it came from
+        conf = [float(t.q_probs[t.q_ids.tolist().index(t.id)]) / float(t.q_probs.sum()) for t in full]
+    else:
+        conf = [float(probs[i, int(torch.searchsorted(allowed.ids, torch.tensor(p)))]) for i, p in enumerate(props)]
+    cum = [conf[0]]
+    for c in conf[1:]:
+        cum.append(cum[-1] * c)
+    stop_at = 3  # the 4th proposal is the first below the threshold
+    tau = (cum[stop_at - 1] * cum[stop_at]) ** 0.5
+    assert cum[stop_at] < tau <= cum[stop_at - 1] < 1.0
+    log = FeedLog(model)
+    try:
+        toks = list(sess.draft_iter(8, 3, params, 7, allowed, stop_cumulative=tau))
+    finally:
+        log.close()
+    assert [t.id for t in toks] == props[: stop_at + 1]
+    assert len(log.calls) == stop_at + 1, "one forward per proposal, none after the block ended"
+    assert toks[-1].last and not any(t.last for t in toks[:-1])
+
+
 def test_drafter_cache_after_generation_equals_fresh_cache(eng):
     """Through the whole engine (worker, edits, re-syncs): the drafter's cache = one built from scratch."""
     model = eng.drafter.model

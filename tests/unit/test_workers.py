@@ -119,6 +119,9 @@ def test_drafter_masks_edits_and_proposals(lm):
         w.commit("s", (len(new), [1]), Expect.of(new))  # result would not match the expectation
     with pytest.raises(InvalidArgument, match="num_draft_tokens"):
         list(w.draft_iter("s", None, None, 0, 0, GREEDY, 0, 0.0, "k"))
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(InvalidArgument, match="stop_cumulative_below"):
+            list(w.draft_iter("s", None, None, 3, 0, GREEDY, 0, 0.0, "k", stop_cumulative=bad))
 
 
 def test_abandoned_draft_stream_does_not_block_the_model(lm):
