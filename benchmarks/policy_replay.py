@@ -140,7 +140,8 @@ def main() -> None:
                                 (f"fixed k={k}", replace(base, adaptive=False, num_draft_tokens=k), False)
                                 for k in (2, 4, 8)]:
             s = summary(traces, cfg, d, tm, conf)
-            print(f"  {name:32} {s['gmean']:.3f}x (worst prompt {s['min']:.2f}x)  accepted {s['accepted']}/{s['drafted']}")
+            print(f"  {name:32} {s['gmean']:.3f}x (worst prompt {s['min']:.2f}x)  "
+                  f"accepted {s['accepted']}/{s['drafted']}")
 
 
 if __name__ == "__main__":
