@@ -134,6 +134,8 @@ class DraftPolicy:
             d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
+            if n == k:  # a whole block accepted: the text may be draftable again, probe at the usual pace
+                self.interval = self.probe_every
 
     def vcost(self, m: float) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
