@@ -13,14 +13,16 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
-def _positive_int_arg(name):
-    """An argparse type for option `name` that parses an integer (it does not check the sign)."""
+def _int_arg(name, minimum: int = 1):
+    """An argparse type for option `name` that parses an integer >= `minimum`."""
     def parse(s):
         """`s` as an int, or an ArgumentTypeError naming the option."""
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
         return v
 
     return parse
@@ -59,16 +61,16 @@ def _add_revision_opts(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     """Add the sampling and drafting options (--max-new-tokens ... --stop-below) to `p`."""
-    p.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
+    p.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens"), default=64)
     p.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_positive_int_arg("--top-k"), default=0, help="0 = off")
+    p.add_argument("--top-k", type=_int_arg("--top-k", 0), default=0, help="0 = off")
     p.add_argument("--top-p", type=_float_arg("--top-p"), default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
-    p.add_argument("--seed", type=_positive_int_arg("--seed"), default=0)
-    p.add_argument("--num-draft-tokens", type=_positive_int_arg("--num-draft-tokens"), default=4,
+    p.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    p.add_argument("--num-draft-tokens", type=_int_arg("--num-draft-tokens"), default=4,
                    help="initial block size k")
     p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of choosing it per round")
-    p.add_argument("--max-draft-tokens", type=_positive_int_arg("--max-draft-tokens"), default=10,
+    p.add_argument("--max-draft-tokens", type=_int_arg("--max-draft-tokens"), default=10,
                    help="upper bound for adaptive k")
     p.add_argument("--draft-mode", choices=["auto", "tli", "text"], default="auto",
                    help="tli: draft from the vocabulary intersection; text (greedy only): draft freely and "
@@ -76,6 +78,9 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
                         "else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
+    p.add_argument("--stop-cumulative", type=_float_arg("--stop-cumulative"), default=None,
+                   help="end a block once the product of its proposals' probabilities is below this "
+                        "(default: from the models' costs for greedy adaptive decoding; 0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", required=True)
     r.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     r.add_argument("--session-id", default=None, help="continue this session")
-    r.add_argument("--max-new-tokens", type=_positive_int_arg("--max-new-tokens"), default=64)
+    r.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens"), default=64)
     r.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=None, metavar="TEXT")
@@ -185,6 +190,7 @@ def _sampling_from_args(a):
         adaptive=not a.no_adaptive,
         max_draft_tokens=max(a.max_draft_tokens, a.num_draft_tokens),
         stop_below=a.stop_below,
+        stop_cumulative=a.stop_cumulative,
         mode=a.draft_mode,
     )
     return params, draft
