@@ -43,7 +43,7 @@ def test_events_decode_into_client_models():
 def test_watch_events_keep_the_pool_current():
     pool = Pool("verifier")
     w = EndpointSliceWatcher(pool, "llm", "crossdraft-verifier", api=object())
-    for ev, want in zip(decoded(EVENTS), EXPECTED):
+    for ev, want in zip(decoded(EVENTS), EXPECTED, strict=True):
         w.consume([ev])
         assert pool.addresses() == want
     assert w.resource_version == "104611"
