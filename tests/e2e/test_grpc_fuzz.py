@@ -758,6 +758,31 @@ def test_prompt_beyond_the_drafters_context_goes_target_only(servers, spaces):
     assert stats.drafter_fallback and "exceed the model's context" in stats.fallback_reason, stats
 
 
+def test_the_drafter_ends_a_block_on_its_cumulative_doubt_over_the_wire(servers):
+    """DraftRequest.stop_cumulative_below reaches the drafter: a random-init model is never 99.9%
+    sure of a token, so the block ends after its first proposal (the same first proposal as the
+    unbounded block's); 0 is off; 1 and above are refused naming the field."""
+    d = servers.stubs["drafter"]
+    hd = _history(servers.d_vocab, 30, 7)
+    d.SyncDrafterSession(drafter_pb2.SyncDrafterSessionRequest(session_id="cum-doubt", token_ids=hd),
+                         timeout=CALL_TIMEOUT_S)
+
+    def block(stop):
+        r = d.Draft(drafter_pb2.DraftRequest(session_id="cum-doubt", expect=_check(hd), num_draft_tokens=6,
+                                             params=GREEDY, stop_cumulative_below=stop), timeout=CALL_TIMEOUT_S)
+        return [m.token for m in r if m.HasField("token")]
+
+    try:
+        full, short = block(0.0), block(0.999)
+        assert len(full) == 6 and len(short) == 1 and short[0].last
+        assert short[0].token_id == full[0].token_id
+        with pytest.raises(grpc.RpcError) as e:
+            block(1.0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_cumulative_below" in e.value.details()
+    finally:
+        d.EndDrafterSession(drafter_pb2.EndDrafterSessionRequest(session_id="cum-doubt"), timeout=CALL_TIMEOUT_S)
+
+
 def test_servers_healthy_and_unchanged_after_fuzzing(servers):
     """Every server is up and SERVING; the canaries and a greedy generation answer exactly as before."""
     for p in servers.procs:
