@@ -43,8 +43,6 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
     pol = DraftPolicy(cfg, c, verify_costs=target_ms, measured=True, drafter_costs=drafter_ms)
     pol.confident = confident and cfg.adaptive
     k = pol.hi if pol.confident else cfg.num_draft_tokens
-    if cfg.adaptive and not pol.could_pay():
-        k = 0
     i = drafted = accepted = rounds = 0
     cost = 0.0
     while i < n_tok:

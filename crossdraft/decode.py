@@ -351,8 +351,6 @@ class Decoder:
             req.policy.confident = req.draft.adaptive and (sc > 0 if sc is not None else req.params.greedy)
             if req.policy.confident:
                 req.k = req.policy.hi
-            if req.draft.adaptive and not req.policy.could_pay():
-                req.k = 0  # not even a drafter that is nearly always right would pay: probe later
         if req.spec and req.policy.measured:
             req.policy.batch = self._load
             if self._load > 1.5 and not req.policy.pays():

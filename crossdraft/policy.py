@@ -134,8 +134,8 @@ class DraftPolicy:
             d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
-            if n == k:  # a whole block accepted: the text may be draftable again, probe at the usual pace
-                self.interval = self.probe_every
+            if n == k and self.could_pay():  # a whole block accepted: the text may be draftable again,
+                self.interval = self.probe_every  # probe at the usual pace (unless no acceptance could pay)
 
     def vcost(self, m: float) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
@@ -200,8 +200,9 @@ class DraftPolicy:
         return best >= (self.margin if self.measured else 1.0)
 
     def could_pay(self, alpha: float = 0.95) -> bool:
-        """Whether drafting would pay even at a high acceptance (no state changes): a drafter
-        nearly as costly as its target cannot, and then a request starts target-only."""
+        """Whether drafting would pay even at a high acceptance (no state changes). A drafter nearly
+        as costly as its target cannot: its probes then stay at their slowest pace even when a
+        whole probe block is accepted."""
         saved = self.succ, self.trials
         self.succ, self.trials = alpha, 1.0
         try:
@@ -216,10 +217,6 @@ class DraftPolicy:
         best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
         need = self.margin if self.measured else 1.0
         if cfg.allow_skip and self.rate(best) < need:
-            if not self.could_pay():  # no acceptance would make drafting pay: no probes either
-                self.skipped += 1
-                self.probing = False
-                return 0
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
                 self.interval = min(self.max_probe_every, self.interval * 2)
                 self.wait = self.interval

@@ -191,3 +191,7 @@ def test_could_pay_rules_out_a_drafter_as_costly_as_its_target():
     pol = DraftPolicy(DraftConfig(), 1.0, verify_costs=FLAT_TABLE, measured=True)
     before = pol.alpha()
     assert not pol.could_pay() and pol.alpha() == before
+    # its probes slow down to the slowest pace even when they are wholly accepted
+    ks = _run(pol, 200, lambda k: k)
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    assert len(probes) <= 8 and all(b - a >= 24 for a, b in zip(probes[3:], probes[4:])), probes
