@@ -84,7 +84,7 @@ class DraftPolicy:
     hard stretches of the text within a round instead of over rounds; the acceptance model only
     decides whether to draft at all. (Replayed on recorded acceptance traces of a 0.5B drafter for
     a 1.5B target -- drafter step 0.45 of a target step, 16 code/prose/SQL/Chinese prompts -- this
-    gave 1.52x target-only against 1.37x for the per-round k of the acceptance model.)
+    gave 1.53x target-only against 1.39x for the per-round k of the acceptance model.)
 
     Costs: ``c`` and ``verify_costs`` (v(m) for m = 1..M, relative to v(1)) come either from the
     model servers' measured forward times (``measured=True``: on CPUs the verification forward
