@@ -182,8 +182,6 @@ def _sampling_from_args(a):
     from .policy import DraftConfig
     from .sampling import SamplingParams
 
-    if a.max_new_tokens <= 0:
-        raise InvalidArgument("max_new_tokens", f"must be > 0, got {a.max_new_tokens}")
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.repetition_penalty)
     draft = DraftConfig(
         num_draft_tokens=a.num_draft_tokens,
