@@ -196,6 +196,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target-dtype", default=None)
     ap.add_argument("--drafter-dtype", default=None)
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
+                    help="int8 weight copies for the drafters' one-token steps (crossdraft/quant.py); the HF rows "
+                         "use the same drafter objects")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--hf-target-only", action="store_true", help="also time HF generate() without a drafter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -215,7 +218,8 @@ def main() -> None:
     target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device))
     drafters = {}
     for name in [d for d in a.drafters.split(",") if d]:
-        drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device))
+        drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device),
+                                      quantize=a.drafter_quantize)
     engines = {name: Engine(target, d) for name, d in drafters.items()}
     base_engine = Engine(target)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -383,6 +387,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "drafters": list(drafters),
         "target_dtype": str(target.dtype),
         "drafter_dtypes": {n: str(d.dtype) for n, d in drafters.items()},
+        "drafter_quantize": {n: d.quantize for n, d in drafters.items()},
         "device": a.device,
         "prompts": len({x["prompt"] for r in rows.values() for x in r["runs"]}),
         "max_new_tokens": a.max_new_tokens,

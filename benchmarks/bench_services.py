@@ -347,7 +347,7 @@ def main() -> None:
         stack.start()
         dtype = M.parse_dtype(a.dtype)
         target = M.load_model(a.target, dtype=dtype)
-        drafter = M.load_model(a.drafter, dtype=dtype)
+        drafter = M.load_model(a.drafter, dtype=dtype, quantize="auto")  # as the drafter server (its default)
         engine = Engine(target, drafter)
         stack.wait()
         print(f"stack and in-process models ready in {time.perf_counter() - t0:.1f}s "

@@ -79,7 +79,7 @@ def scaled(drafter_ms: list[float], target_ms: list[float], c: float) -> list[fl
     return [x * f for x in drafter_ms]
 
 
-def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int) -> None:
+def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int, quantize: str = "none") -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -91,7 +91,11 @@ def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int) -
 
     prompts = bench.prompt_set("humaneval+mixed", n_prompts)
     t = M.load_model(target, dtype=M.fast_dtype("cpu"))
-    d = M.load_model(drafter, dtype=M.fast_dtype("cpu"))
+    d = M.load_model(drafter, dtype=M.fast_dtype("cpu"), quantize=quantize)
+    if d.quantize == "int8":  # teacher-forced: every row through the int8 kernel, as the drafter's steps run
+        from crossdraft import quant
+
+        quant.set_max_rows(d.model, 1 << 30)
     if t.tokenizer.get_vocab() != d.tokenizer.get_vocab():
         raise SystemExit("recording needs a same-vocabulary pair (a teacher-forced drafter must read the target's ids)")
     base = Engine(t)
@@ -107,7 +111,8 @@ def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int) -
                      "conf": [round(float(top.values[a]), 5) for a in at]})
         print(f"{label:10} {sum(rows[-1]['match'])}/{len(gen)} drafter argmax == target token", flush=True)
     data = {"target": target, "drafter": drafter, "dtype": str(t.dtype), "git": bench.git_commit(),
-            "drafter_ms": costs.forward_ms(d, 17), "target_ms": costs.forward_ms(t, 17), "traces": rows}
+            "drafter_quantize": d.quantize, "drafter_ms": costs.forward_ms(d, 17),
+            "target_ms": costs.forward_ms(t, 17), "traces": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data))
     print(f"wrote {out}")
@@ -121,13 +126,16 @@ def main() -> None:
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--prompts", type=int, default=8, help="per prompt set (HumanEval + mixed)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--drafter-quantize", default="none", choices=("none", "int8"),
+                    help="record with the drafter's int8 weights (crossdraft/quant.py)")
     a = ap.parse_args()
     if a.record:
-        record(a.traces, a.target, a.drafter, a.prompts, a.max_new_tokens)
+        record(a.traces, a.target, a.drafter, a.prompts, a.max_new_tokens, a.drafter_quantize)
         return
     data = json.loads(a.traces.read_text())
     traces, dm, tm = data["traces"], data["drafter_ms"], data["target_ms"]
-    print(f"{data['drafter']} drafting for {data['target']} ({data['dtype']}), {len(traces)} prompts; "
+    print(f"{data['drafter']} ({data.get('drafter_quantize', 'none')} weights) drafting for {data['target']} "
+          f"({data['dtype']}), {len(traces)} prompts; "
           f"drafter step = {dm[0] / tm[0]:.2f} target steps as recorded")
     base = DraftConfig()
     for c in (dm[0] / tm[0], 0.15, 0.3, 0.6, 0.8):

@@ -151,6 +151,9 @@ def _cache_key(loaded, max_tokens: int) -> str | None:
         hardware = device
     parts = [ident, str(loaded.dtype), device, torch.__version__, str(torch.get_num_threads()), hardware,
              str(SIZES), str(CONTEXT), str(max_tokens)]
+    q = getattr(loaded, "quantize", "none")
+    if q and q != "none":  # int8 weight copies change the small forwards' times (crossdraft.quant)
+        parts.append(f"quantize={q}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 

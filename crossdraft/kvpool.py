@@ -398,7 +398,7 @@ def _reserve(pool: KVPool, rows: list[Row]) -> None:
 
 
 def _rows_head(head, n_rows: int) -> list:
-    if head is None or isinstance(head, torch.Tensor):
+    if head is None or isinstance(head, (torch.Tensor, torch.nn.Module)):
         return [head] * n_rows
     head = list(head)
     if len(head) != n_rows:
@@ -514,7 +514,7 @@ def _heads(model, cfg, hidden: torch.Tensor, rows: list[Row], heads: list, T: in
     for b, hd in enumerate(heads):
         if hd is None:
             continue
-        h = hidden[b, T - rows[b].keep:]
-        w = hd.to(device=h.device)
-        out[b] = _softcap(torch.nn.functional.linear(h.to(w.dtype), w), cap).float()
+        from .sessions import apply_head
+
+        out[b] = _softcap(apply_head(hidden[b, T - rows[b].keep:], hd), cap).float()
     return out

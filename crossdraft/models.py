@@ -1106,6 +1106,7 @@ class LoadedModel:
     vocab_size: int  # logits width
     kind: str = field(default="hf_dir")  # "catalog" | "hf_dir" | "gguf" | "hub"
     revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
+    quantize: str = "none"  # "int8": the linear layers carry int8 weights for few-row calls (crossdraft.quant)
 
 
 def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
@@ -1149,6 +1150,7 @@ def load_model(
     progress: bool = True,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
@@ -1160,9 +1162,13 @@ def load_model(
     ``dtype``: ``None`` means float32; see :func:`parse_dtype`. ``device``: ``cpu``, ``cuda``,
     ``cuda:N``; ignored when ``device_map`` (e.g. ``"auto"``) is given, in which case it and
     ``max_memory`` go to ``from_pretrained`` and ``LoadedModel.device`` is where the input
-    embeddings landed.
+    embeddings landed. ``quantize``: ``none`` (default), ``int8`` or ``auto`` -- int8 weight copies
+    for few-row forwards, for *drafters* only (see :mod:`crossdraft.quant`; ``auto`` = int8 on a CPU
+    in bf16/fp16).
     """
     from transformers import AutoModelForCausalLM
+
+    from . import quant
 
     torch_dtype = torch.float32 if dtype is None else parse_dtype(dtype)
     if max_memory is not None and device_map is None:
@@ -1206,6 +1212,9 @@ def load_model(
         _detach_gguf_quantizer(model)
     model.eval()
     model.requires_grad_(False)
+    qmode = quant.resolve_mode(quantize, model.get_input_embeddings().weight.device, model.dtype)
+    if qmode == "int8" and quant.quantize_int8(model) == 0:
+        qmode = "none"  # no layer the kernel can take
     tokenizer = _tokenizer_from(ref, trust_remote_code)
     emb = model.get_input_embeddings()
     dev = emb.weight.device if emb is not None else (target or torch.device("cpu"))
@@ -1227,4 +1236,5 @@ def load_model(
         vocab_size=width,
         kind=ref.kind,
         revision=ref.revision,
+        quantize=qmode,
     )

@@ -95,7 +95,20 @@ def _pruned_head(model, allowed_ids: torch.Tensor):
     w = getattr(head, "weight", None)
     if w is None or w.dim() != 2 or len(allowed_ids) == 0:
         return None
+    from .quant import Int8Linear
+
+    if isinstance(head, Int8Linear):  # a quantized drafter: the pruned rows keep their int8 copy
+        return head.rows(allowed_ids.to(w.device))
     return w.detach().index_select(0, allowed_ids.to(w.device)).contiguous()
+
+
+def apply_head(h: torch.Tensor, head) -> torch.Tensor:
+    """Logits of hidden states `h` under a pruned head: a ``[A, hidden]`` matrix or an
+    :class:`~crossdraft.quant.Int8Linear` of those rows."""
+    if isinstance(head, torch.Tensor):
+        w = head.to(device=h.device)
+        return torch.nn.functional.linear(h.to(w.dtype), w)
+    return head(h.to(head.weight.dtype))
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -141,7 +154,7 @@ class OwnKV:
             kept = keep if keep >= n else torch.arange(n - keep, n, device=self.device)
             return self.model(**kw, logits_to_keep=kept).logits[0, -keep:, :]
         h = self.model.model(**kw).last_hidden_state[0, -keep:]
-        return torch.nn.functional.linear(h, head)
+        return apply_head(h, head)
 
     def fork(self) -> "OwnKV":
         """An independent copy (a cache of its own holds its own tensors: this copies them)."""

@@ -80,6 +80,36 @@ def test_sampling_runs_and_reports_acceptance(engine):
     assert again.token_ids == out.token_ids  # seeded
 
 
+@pytest.fixture(scope="module")
+def smol_int8():
+    return M.load_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize="int8")
+
+
+def test_an_int8_drafter_changes_speed_only(engine, smol_int8):
+    """smollm2-135m with int8 weight copies (crossdraft/quant.py) drafting for a real fp32 target:
+    greedy output identical to the target alone, drafts accepted, steps through the int8 kernel."""
+    from crossdraft import quant
+
+    assert smol_int8.quantize == "int8"
+    eng = Engine(engine.target, smol_int8)
+    before = quant.int8_calls(smol_int8.model)
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        ref = engine.generate(prompt, max_new_tokens=N_TOKENS, use_drafter=False)
+        out = eng.generate(prompt, max_new_tokens=N_TOKENS, draft=DraftConfig(num_draft_tokens=4, adaptive=False))
+        assert out.token_ids == ref.token_ids
+        assert out.stats.drafted > 0
+        accepted += out.stats.accepted
+    assert accepted > 0
+    assert quant.int8_calls(smol_int8.model) > before
+    if engine.target.name == "gemma3-270m":  # the CLI flag, once
+        r = _cli("generate", "--target", "gemma3-270m", "--drafter", "smollm2-135m", "--prompt", PROMPTS[1],
+                 "--max-new-tokens", "12", "--target-dtype", "float32", "--drafter-quantize", "int8", "--json")
+        assert r.returncode == 0, r.stderr
+        ref = engine.generate(PROMPTS[1], max_new_tokens=12, use_drafter=False)
+        assert json.loads(r.stdout)["token_ids"] == ref.token_ids
+
+
 def _cli(*args, timeout=600):
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "crossdraft.cli", *args], capture_output=True, text=True,
