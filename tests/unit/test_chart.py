@@ -229,6 +229,8 @@ def test_crd_kinds_only_when_enabled(render):
     "drafter.device=tpu",
     "verifier.device=gpu",
     "drafter.dtype=int4",
+    "drafter.quantize=int4",
+    "verifier.quantize=int8",  # the target's weights stay exact: no such knob for the verifier
     "drafter.gpu.count=-1",
     "gateway.ports.http=70000",
     "otel.endpoint=collector:4317",
@@ -320,6 +322,9 @@ def test_cpu_variant_has_no_gpus(render):
         env = env_of(doc)
         assert env["CROSSDRAFT_DEVICE"]["value"] == "cpu"
         assert env["CROSSDRAFT_DTYPE"]["value"] in ("float32", "bfloat16")
+    # int8 drafter weights on a CPU are the server's own auto choice; the verifier has no such knob
+    assert env_of(drafter(docs))["CROSSDRAFT_QUANTIZE"]["value"] == "auto"
+    assert "CROSSDRAFT_QUANTIZE" not in env_of(verifier(docs))
     # Single replicas: no PDB that would block node drains for the model servers.
     assert {p["metadata"]["name"] for p in docs if p["kind"] == "PodDisruptionBudget"} == set()
 

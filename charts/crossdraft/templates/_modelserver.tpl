@@ -89,6 +89,10 @@ spec:
               key: {{ $comp }}-model
         - name: CROSSDRAFT_DTYPE
           value: {{ $v.dtype | quote }}
+        {{- if eq $comp "drafter" }}
+        - name: CROSSDRAFT_QUANTIZE
+          value: {{ $v.quantize | quote }}
+        {{- end }}
         - name: CROSSDRAFT_DEVICE
           value: {{ $v.device | quote }}
         - name: CROSSDRAFT_HOST
