@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import vocab as V
 from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
 from .policy import DraftConfig, DraftPolicy, cost_ratio
 from .ports import DrafterPort, VerifierPort
@@ -403,6 +402,8 @@ class Decoder:
         kd, n = len(drafted.target_ids), res.num_accepted
         if req.spec:  # the first block's acceptance counts too (only its times include the prefill)
             req.policy.observe(kd, n)
+            if req.text_mode and drafted.tokens:  # what one drafted target token costs in drafter steps
+                req.policy.observe_steps(len(drafted.tokens), kd)
         if req.first:
             stats.prefill_s += res.forward_s
         else:
@@ -456,7 +457,7 @@ class Decoder:
         if req.text_mode:
             drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
             try:
-                drafts_t = V.encode_bytes(pair.target_tok, drafted_bytes)[: remaining - 1] if drafted_bytes else []
+                drafts_t = pair.encode_target_bytes(drafted_bytes)[: remaining - 1] if drafted_bytes else []
             except ValueError:  # the target cannot spell these bytes: nothing to propose
                 drafts_t = []
         else:
@@ -550,7 +551,7 @@ class Decoder:
         if not data:
             return []
         try:
-            return V.encode_bytes(self.pair.drafter_tok, data)
+            return self.pair.encode_drafter_bytes(data)
         except ValueError:  # the drafter cannot spell these bytes: approximate (quality only)
             text = data.decode("utf-8", errors="ignore")
             return list(self.pair.drafter_tok(text, add_special_tokens=False)["input_ids"]) if text else []

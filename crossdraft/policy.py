@@ -99,7 +99,7 @@ class DraftPolicy:
     decay = 0.85
     probe_every = 6
     max_probe_every = 48
-    margin = 1.03  # measured costs: draft only when it is expected to beat target-only by this factor
+    margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
     time_decay = 0.8
     batch_decay = 0.7
 
@@ -125,6 +125,9 @@ class DraftPolicy:
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
         self.confident = False  # blocks end on the drafter's doubt (cumulative_stop); k is the upper bound
+        # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
+        # Chinese character the Qwen target has as one token in 2-3 byte tokens); 1 in TLI mode
+        self.step_sum, self.tok_sum = 1.0, 1.0
 
     def alpha(self) -> float:
         return min(0.98, max(0.02, self.succ / self.trials))
@@ -135,7 +138,20 @@ class DraftPolicy:
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
             if n == k and self.could_pay():  # a whole block accepted: the text may be draftable again,
-                self.interval = self.probe_every  # probe at the usual pace (unless no acceptance could pay)
+                # so the probes keep their pace (next_k doubles it after a probe that does not pay; this
+                # cancels that) -- unless no acceptance could pay. Drafting that pays resets it (next_k).
+                self.interval = max(self.probe_every, self.interval // 2)
+
+    def observe_steps(self, steps: int, tokens: int) -> None:
+        """Text drafting: a block took `steps` drafter forwards and gave `tokens` target-token drafts."""
+        if steps > 0:
+            d = self.decay
+            self.step_sum = d * self.step_sum + steps
+            self.tok_sum = d * self.tok_sum + tokens
+
+    def steps_per_token(self) -> float:
+        """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""
+        return min(8.0, max(0.25, self.step_sum / max(1e-6, self.tok_sum)))
 
     def vcost(self, m: float) -> float:
         """Cost of a target forward over m tokens, in target decoding steps."""
@@ -177,7 +193,8 @@ class DraftPolicy:
         b = self.batch if self.measured else 1.0
         # per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
         # against b tokens for v(b) (target-only); b = 1 is one session alone
-        return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * self.c * self.scale_d * self.dcost(b))
+        c = self.c * self.scale_d * self.dcost(b) * self.steps_per_token()
+        return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c)
 
     def cumulative_stop(self) -> float:
         """The threshold of the block's cumulative drafter probability below which the drafter stops.
@@ -188,8 +205,12 @@ class DraftPolicy:
         if self.cfg.stop_cumulative is not None:
             return self.cfg.stop_cumulative
         b = self.batch if self.measured else 1.0
-        c_eff = self.c * self.scale_d * self.dcost(b) / (self.scale_v * self.vcost(b))
-        return min(0.9, 1.4 * c_eff)
+        # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
+        c_eff = self.c * self.scale_d * self.dcost(b) * self.steps_per_token() / (self.scale_v * self.vcost(b))
+        # and a longer block costs a longer verification: the mean extra cost of one more token over
+        # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
+        dv = max(0.0, self.vcost(b * (self.hi + 1)) - self.vcost(b)) / (self.hi * self.vcost(b))
+        return min(0.9, 1.4 * (c_eff + dv))
 
     def pays(self) -> bool:
         """Whether some block size is expected to beat target-only now (no state changes)."""
@@ -199,8 +220,8 @@ class DraftPolicy:
         best = max(self.rate(k) for k in range(cfg.min_draft_tokens, self.hi + 1))
         return best >= (self.margin if self.measured else 1.0)
 
-    def could_pay(self, alpha: float = 0.95) -> bool:
-        """Whether drafting would pay even at a high acceptance (no state changes). A drafter nearly
+    def could_pay(self, alpha: float = 0.9) -> bool:
+        """Whether drafting would pay at a high acceptance (90%; no state changes). A drafter nearly
         as costly as its target cannot: its probes then stay at their slowest pace even when a
         whole probe block is accepted."""
         saved = self.succ, self.trials
@@ -219,6 +240,8 @@ class DraftPolicy:
         if cfg.allow_skip and self.rate(best) < need:
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
                 self.interval = min(self.max_probe_every, self.interval * 2)
+                if not self.could_pay():  # not even at 90% acceptance: the slowest pace at once
+                    self.interval = self.max_probe_every
                 self.wait = self.interval
             self.probing = False
             self.skipped += 1

@@ -164,7 +164,7 @@ def test_confident_mode_runs_blocks_to_the_bound_and_lets_the_drafter_end_them()
     pol = DraftPolicy(DraftConfig(max_draft_tokens=12), 0.2, verify_costs=FLAT_TABLE, measured=True)
     pol.confident = True
     ks = _run(pol, 40, lambda k: 0)
-    assert all(k == 0 for k in ks[3:8]) and ks.count(0) >= 33 and all(k in (0, 4, 12) for k in ks), ks
+    assert all(k == 0 for k in ks[2:7]) and ks.count(0) >= 34 and all(k in (0, 4, 12) for k in ks), ks
 
 
 def test_the_cumulative_threshold_follows_the_drafters_cost():
@@ -195,3 +195,55 @@ def test_could_pay_rules_out_a_drafter_as_costly_as_its_target():
     ks = _run(pol, 200, lambda k: k)
     probes = [i for i, k in enumerate(ks) if k > 0]
     assert len(probes) <= 8 and all(b - a >= 24 for a, b in zip(probes[3:], probes[4:])), probes
+
+
+def test_text_drafting_prices_the_drafter_steps_each_target_token_costs():
+    """Text mode: the drafter's text is re-encoded into target tokens, and a drafter spelling a
+    Chinese character in 2-3 byte tokens pays 2-3 steps per drafted target token. The policy learns
+    that ratio and prices drafting (and the confidence a block needs) with it."""
+    pol = DraftPolicy(DraftConfig(), 0.3, verify_costs=FLAT_TABLE, measured=True)
+    assert pol.steps_per_token() == 1.0
+    rate, tau = pol.rate(3), pol.cumulative_stop()
+    for _ in range(6):
+        pol.observe_steps(9, 3)  # 3 steps per target token
+    assert 2.5 < pol.steps_per_token() <= 3.0
+    assert pol.rate(3) < rate and pol.cumulative_stop() > tau
+    assert not pol.could_pay()  # 0.9 steps of the target per drafted token: nothing could pay
+    pol.observe_steps(0, 0)  # no block: nothing learnt
+    for _ in range(40):
+        pol.observe_steps(1, 10)  # a drafter whose tokens are much longer than the target's
+    assert pol.steps_per_token() == 0.25  # bounded
+
+
+def test_a_costlier_verification_of_longer_blocks_asks_for_surer_blocks():
+    """The cumulative threshold counts the verification's extra cost per drafted token: flat on a
+    GPU or with native bf16, steep on a CPU computing in fp32."""
+    flat = DraftPolicy(DraftConfig(), 0.2, verify_costs=FLAT_TABLE, measured=True).cumulative_stop()
+    steep = DraftPolicy(DraftConfig(), 0.2, verify_costs=CPU_TABLE, measured=True).cumulative_stop()
+    assert steep > flat + 0.1
+
+
+def test_a_drafter_that_could_not_pay_probes_at_the_slowest_pace_at_once():
+    pol = DraftPolicy(DraftConfig(), 0.3, verify_costs=FLAT_TABLE, measured=True)
+    for _ in range(6):
+        pol.observe_steps(8, 2)  # 4 drafter steps per target token: 1.2 target steps each
+    assert not pol.could_pay()
+    ks = _run(pol, 120, lambda k: 0)
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    # the first block, one probe at the usual pace, then the longest interval at once
+    assert probes[:2] == [0, DraftPolicy.probe_every]
+    gaps = [b - a for a, b in zip(probes[1:], probes[2:])]
+    assert gaps and all(g == DraftPolicy.max_probe_every for g in gaps), probes
+
+
+def test_a_wholly_accepted_probe_that_still_does_not_pay_keeps_the_pace():
+    """A probe accepted in full leaves the probe interval where it was (not back to the fastest
+    pace) while the acceptance estimate still says drafting does not pay."""
+    pol = DraftPolicy(DraftConfig(), 0.7, verify_costs=FLAT_TABLE, measured=True)
+    assert pol.could_pay()
+    pol.interval = pol.wait = 24
+    pol.probing = True
+    pol.succ, pol.trials = 0.3, 1.0  # as a probe starts
+    pol.observe(2, 2)
+    assert not pol.pays()
+    assert pol.next_k() == 0 and pol.interval == 24
