@@ -256,9 +256,15 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
                 add(key, (time.perf_counter() - t0) * 1e3)
         return f
 
-    wrap(gw.drafter, "draft", draft)
-    wrap(gw.verifier, "verify", verify)
-    wrap(gw.decoder, "_expect", timed("context_crc_ms"))
+    from crossdraft.decode import Decoder
+
+    # the clients the placement hands every session (one drafter and one verifier address here)
+    d_client = gw.placement.any_client("drafter", 30.0)
+    v_client = gw.placement.any_client("verifier", 30.0)
+    wrap(d_client, "draft", draft)
+    wrap(v_client, "verify", verify)
+    orig_expect = Decoder._expect
+    wrap(Decoder, "_expect", timed("context_crc_ms"))
     wrap(gw.store, "save", timed("redis_save_ms"))
     wrap(gw.metrics, "round", timed("metrics_ms"))
     from gateway.sessions import Session
@@ -306,9 +312,10 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
     pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
     out["cprofile_top_tottime"] = sio.getvalue().splitlines()[:45]
     Session.to_json = orig_to_json
+    Decoder._expect = orig_expect
     with contextlib.suppress(Exception):
-        gw.verifier.close()
-        gw.drafter.close()
+        v_client.close()
+        d_client.close()
     return out
 
 

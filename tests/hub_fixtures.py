@@ -49,6 +49,8 @@ def add_snapshot(cache: Path, repo_id: str, src: Path, commit: str, refs: tuple[
 
 
 def hub_env(hf_home: Path) -> dict[str, str]:
-    """Environment of an offline process that resolves Hub ids from ``hf_home``'s cache."""
+    """Environment of an offline process that resolves Hub ids from ``hf_home``'s cache. Its own
+    $CROSSDRAFT_HOME too: cost tables timed for the tiny test models stay out of the user's cache."""
     return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+            "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "CROSSDRAFT_HOME": str(hf_home / "crossdraft-home")}

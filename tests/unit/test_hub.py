@@ -532,3 +532,15 @@ def test_pull_missing_false_uses_the_cache_only(hf_home, monkeypatch):
         M.load_tokenizer("nobody/else", pull_missing=False)
     with pytest.raises(ModelError, match="not \\(completely\\) in the cache"):
         M.load_model("tiny-org/tokenizer-only", pull_missing=False)
+
+
+def test_cost_tables_of_the_test_models_stay_in_the_test_home(offline, monkeypatch):
+    """A loaded model's forwards are timed once and the table cached under $CROSSDRAFT_HOME/costs;
+    under hub_env that is the test's own home, so these tiny models never land in the user's cache."""
+    from crossdraft import costs
+
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    lm = M.load_model(T_REPO)
+    assert costs.forward_ms(lm, 2)
+    home = Path(os.environ["CROSSDRAFT_HOME"])
+    assert home.is_relative_to(offline) and sorted((home / "costs").glob("*.json"))
