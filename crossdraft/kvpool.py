@@ -511,10 +511,10 @@ def _heads(model, cfg, hidden: torch.Tensor, rows: list[Row], heads: list, T: in
         for b in full:
             out[b] = logits[off:off + rows[b].keep]
             off += rows[b].keep
+    from .sessions import apply_head
+
     for b, hd in enumerate(heads):
         if hd is None:
             continue
-        from .sessions import apply_head
-
         out[b] = _softcap(apply_head(hidden[b, T - rows[b].keep:], hd), cap).float()
     return out

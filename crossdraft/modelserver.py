@@ -117,6 +117,8 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def config_from_args(a) -> ModelServerConfig:
+    from .quant import parse_mode
+
     if not a.model:
         raise InvalidArgument("model", "is required (--model or CROSSDRAFT_MODEL)")
     if not 0 <= a.port < 65536:
@@ -141,18 +143,12 @@ def config_from_args(a) -> ModelServerConfig:
                             health_port=getattr(a, "health_port", 0),
                             revision=getattr(a, "revision", None) or None,
                             trust_remote_code=bool(getattr(a, "trust_remote_code", False)),
-                            quantize=parse_quantize(getattr(a, "quantize", "auto")))
+                            quantize=parse_mode(getattr(a, "quantize", "auto")))
     batch_config(cfg)  # validates the batching flags
     cfg.tls.check_server(require_client_ca=True)
     if not 0 <= cfg.health_port < 65536:
         raise InvalidArgument("health_port", f"must be in [0, 65535], got {cfg.health_port}")
     return cfg
-
-
-def parse_quantize(v) -> str:
-    from .quant import parse_mode
-
-    return parse_mode(v)
 
 
 def quantize_for(kind: str, cfg: ModelServerConfig) -> str:

@@ -89,17 +89,12 @@ class Int8Linear(nn.Module):
         return cls(lin.weight, lin.bias, max_rows)
 
     def rows(self, idx: torch.Tensor) -> "Int8Linear":
-        """The layer restricted to some output rows (a pruned LM head), sharing nothing mutable."""
-        out = Int8Linear.__new__(Int8Linear)
-        nn.Module.__init__(out)
-        w = self.weight.detach().index_select(0, idx.to(self.weight.device)).contiguous()
-        out.weight = nn.Parameter(w, requires_grad=False)
-        out.bias = None if self.bias is None else self.bias.detach().index_select(0, idx)
-        out.in_features, out.out_features, out.max_rows = self.in_features, int(w.shape[0]), self.max_rows
-        out.register_buffer("qweight", self.qweight.index_select(0, idx).contiguous(), persistent=False)
-        out.register_buffer("scales", self.scales.index_select(0, idx).contiguous(), persistent=False)
-        out.int8_calls = 0
-        return out
+        """The layer restricted to some output rows (a pruned LM head). Quantization is per row, so
+        the rows' int8 copy equals the full layer's rows."""
+        idx = idx.to(self.weight.device)
+        w = self.weight.detach().index_select(0, idx).contiguous()
+        bias = None if self.bias is None else self.bias.detach().index_select(0, idx)
+        return Int8Linear(w, bias, self.max_rows)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
