@@ -10,6 +10,11 @@ a slower kernel beyond ~3 rows). A weight-bytes estimate cannot see that, so the
 time their own forwards once (at load; cached on disk per model, dtype, device, thread count
 and CPU) and report the table; the draft-length policy reads costs from it.
 
+Model servers on one machine's CPUs (``make run``, the benchmarks, a test) load and time their
+models one at a time (:func:`cpu_startup_lock`, a lock file in the temporary directory): a drafter
+timed while the verifier next to it was loading its weights once measured a one-token step at
+815 ms instead of 37 ms, and a policy believing that never drafts.
+
 ``CROSSDRAFT_COST_PROFILE=static`` turns measuring off (the policy then uses the weight-bytes
 estimate alone).
 
@@ -22,6 +27,7 @@ of the two -- busy moments only ever make forwards slower.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -39,6 +45,44 @@ DRAFTER_MAX = 17
 CONTEXT = 128  # tokens already cached when timing
 RECHECK = 0.8  # re-measure when a start's one-token forward is this much faster than the cached table
 _ENV = "CROSSDRAFT_COST_PROFILE"
+
+
+@contextlib.contextmanager
+def cpu_startup_lock(device, timeout_s: float = 600.0):
+    """Hold the machine-wide lock of CPU model servers' heavy start (loading and timing a model).
+
+    Only for CPU devices (a GPU server's timings do not suffer from another process's CPU work).
+    After ``timeout_s`` without the lock the start goes on without it (a slow start, never a hang).
+    Yields whether the lock is held."""
+    if getattr(device, "type", str(device)) != "cpu":
+        yield False
+        return
+    import fcntl
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "crossdraft-cpu-startup.lock")
+    try:
+        f = open(path, "a+")
+    except OSError:
+        yield False
+        return
+    held = False
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def enabled() -> bool:

@@ -14,6 +14,7 @@ edit (accepted proposals + the target's token, or a byte-exact re-tokenised tail
 from __future__ import annotations
 
 import codecs
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -150,6 +151,9 @@ class DrafterState:
     sent: int  # ids[:sent] are what the drafter holds; the rest goes with the next Draft as an edit
     prompt_len: int
     gen_lens: list[int] = field(default_factory=list)  # bytes of each generated drafter id
+    # False until the drafter has the session: a request that starts target-only (drafting cannot
+    # pay at this load) syncs the drafter only if and when it drafts (a short request never does)
+    synced: bool = True
 
     def edit(self, keep: int, append: list[int]) -> None:
         """ids become ids[:keep] + append (sent with the next Draft)."""
@@ -226,6 +230,13 @@ class Decoder:
         # policy starts from it instead of from "alone" (its first rounds would price drafting
         # for an idle server)
         self._load = 1.0
+        # requests in this Decoder's round loop now: a lower bound on the verifier's load that a
+        # burst of new requests sees before any of their rounds has reported it
+        self._running = 0
+        self._lock = threading.Lock()
+        # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
+        # rounds corrected them: a new request starts from there instead of from the cost tables
+        self._scales: dict[str, tuple[float, float]] = {}
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -255,7 +266,10 @@ class Decoder:
                 inputs = (dt[0] * frac / vt[0], list(vt), vt[0] / 1000.0, list(dt))
             self._ratio[key] = inputs
         c, vt, step_s, dt = self._ratio[key]
-        return DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt), step_s
+        pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt)
+        if pol.measured and mode in self._scales:
+            pol.scale_d, pol.scale_v = self._scales[mode]
+        return pol, step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed, top_logprobs=-1):
         kw = {"top_logprobs": top_logprobs} if top_logprobs >= 0 else {}  # ports without it still work
@@ -332,7 +346,6 @@ class Decoder:
             stats.draft_mode = req.mode
             try:
                 self._send_mask(req.mode)
-                stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
                 stats.cost_model = "measured" if req.policy.measured else "static"
             except (Unavailable, ResourceExhausted, InvalidArgument) as e:
@@ -350,17 +363,46 @@ class Decoder:
             req.policy.confident = req.draft.adaptive and (sc > 0 if sc is not None else req.params.greedy)
             if req.policy.confident:
                 req.k = req.policy.hi
-        if req.spec and req.policy.measured:
-            req.policy.batch = self._load
-            if self._load > 1.5 and not req.policy.pays():
+        pol = req.policy
+        if req.spec and pol.measured and req.draft.adaptive and req.draft.allow_skip:
+            # the load: what the latest rounds saw, at least the requests in this loop now
+            pol.batch = max(self._load, float(self._running))
+            if not pol.could_pay():
+                # not even a 90% acceptance would pay (at this load, or a drafter nearly as costly as
+                # its target): start target-only; alone, probe at the slowest pace (the costs may be
+                # wrong, a probe corrects them), under load not at all until the load falls
+                req.k = 0
+                pol.interval = pol.wait = pol.max_probe_every
+            elif pol.batch > 1.5 and not pol.pays():
                 # drafting does not pay at this load: start target-only (the policy probes later).
                 # Alone, the first block still drafts: it measures this text's acceptance.
                 req.k = 0
+        if req.spec and req.k == 0:
+            req.d.synced = False  # the drafter gets the prompt if and when the request drafts
+        elif req.spec:
+            self._sync_drafter(req)
+
+    def _sync_drafter(self, req: _Request) -> None:
+        """Give the drafter the session (its prompt, or the prompt and what was generated since)."""
+        try:
+            req.stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
+            req.d.sent, req.d.synced = len(req.d.ids), True
+        except (Unavailable, ResourceExhausted, InvalidArgument) as e:
+            req.drafter_failed(e)
 
     def _rounds(self, run: Run, req: _Request, round_index: int, round_scope):
         t_start = time.perf_counter()
         run.target_ids = req.t_ids
         run.drafter_ids = req.d.ids if req.d else None
+        with self._lock:
+            self._running += 1
+        try:
+            yield from self._loop(run, req, round_index, round_scope, t_start)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _loop(self, run: Run, req: _Request, round_index: int, round_scope, t_start: float):
         self._start(req)
         while True:
             ev = None
@@ -413,10 +455,16 @@ class Decoder:
                 load = getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1
                 req.policy.observe_batch(load)
                 self._load = req.policy.batch
-                # wall-clock corrections (measured costs only); a probe after skipped
-                # rounds also feeds the drafter what it missed, so its time says little
-                req.policy.observe_time(len(drafted.tokens) if req.prev_drafted else 0, draft_wall, kd + 1, verify_wall,
-                                        req.step_s)
+                # wall-clock corrections (measured costs only). A block after skipped rounds first
+                # feeds the drafter what it missed, all in its first step's forward: its other
+                # steps still time the drafter (so a probe corrects a wrong cost table too)
+                toks = drafted.tokens
+                steps, dsec = len(toks), draft_wall
+                if not req.prev_drafted:  # (the drafter's own times of its later steps)
+                    steps, dsec = max(0, len(toks) - 1), sum(t.forward_s for t in toks[1:])
+                req.policy.observe_time(steps, dsec, kd + 1, verify_wall, req.step_s)
+                if req.policy.measured:
+                    self._scales[req.mode] = (req.policy.scale_d, req.policy.scale_v)
         req.prev_drafted = len(drafted.tokens) > 0
         req.first = False
         stats.record_round(kd, n)
@@ -445,6 +493,10 @@ class Decoder:
         pair = self.pair
         t0 = time.perf_counter()
         toks: list = []
+        if not req.d.synced:
+            self._sync_drafter(req)
+            if not req.spec:  # the drafter failed: the request goes on target-only
+                return _Drafted([], [], None, 0.0)
         try:
             sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
             toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode,

@@ -206,7 +206,7 @@ def main(kind: str, default_port: int, service_name: str, servicer, make_worker,
 
 def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_name: str, servicer) -> int:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
-    from . import rpc, telemetry
+    from . import costs, rpc, telemetry
     from .models import fast_dtype, load_model, parse_device
 
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
@@ -237,10 +237,12 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                 time.sleep(delay)
             device = parse_device(cfg.device)
             dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
-            loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
-                                trust_remote_code=cfg.trust_remote_code, quantize=quantize_for(kind, cfg))
-            worker = make_worker(loaded)
-            ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
+            # servers sharing this machine's CPUs load and time one at a time (crossdraft.costs)
+            with costs.cpu_startup_lock(device):
+                loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
+                                    trust_remote_code=cfg.trust_remote_code, quantize=quantize_for(kind, cfg))
+                worker = make_worker(loaded)
+                ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if ms:
                 print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms",
                       flush=True)

@@ -7,6 +7,7 @@ each round from the acceptance it measures and the costs of the two models' forw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import InvalidArgument, check_int
@@ -102,6 +103,9 @@ class DraftPolicy:
     margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
     time_decay = 0.8
     batch_decay = 0.7
+    # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
+    # while another process computed on the same cores (seen: a drafter step timed 22x too slow)
+    max_scale = 50.0
 
     def __init__(self, cfg: DraftConfig, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,
@@ -178,10 +182,14 @@ class DraftPolicy:
         b = self.batch
         if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
             ratio = verify_s / (self.vcost(b * m) * target_step_s)
-            self.scale_v = d * self.scale_v + (1 - d) * min(10.0, max(0.1, ratio))
+            self.scale_v = d * self.scale_v + (1 - d) * min(self.max_scale, max(1 / self.max_scale, ratio))
         if steps > 0 and draft_s > 0:
+            # a ratio of times: averaged in log space, each drafter step one observation (a probe's
+            # block of 6 steps says more than one step does)
             ratio = draft_s / (steps * self.c * self.dcost(b) * target_step_s)
-            self.scale_d = d * self.scale_d + (1 - d) * min(10.0, max(0.1, ratio))
+            w = d ** min(steps, 5)  # (at most as much as 5 steps: one slow moment must not decide alone)
+            ratio = min(self.max_scale, max(1 / self.max_scale, ratio))
+            self.scale_d = math.exp(w * math.log(self.scale_d) + (1 - w) * math.log(ratio))
 
     def rate(self, k: int) -> float:
         """Expected tokens per target decoding step with a block of k (k = 0: target-only = 1)."""
@@ -231,6 +239,10 @@ class DraftPolicy:
         finally:
             self.succ, self.trials = saved
 
+    def loaded_out(self) -> bool:
+        """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
+        return self.measured and self.batch > 1.5 and not self.could_pay()
+
     def next_k(self) -> int:
         cfg = self.cfg
         if not cfg.adaptive:
@@ -238,6 +250,14 @@ class DraftPolicy:
         best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
         need = self.margin if self.measured else 1.0
         if cfg.allow_skip and self.rate(best) < need:
+            if self.loaded_out():
+                # many sessions share the forwards and even 90% acceptance would not pay at this load:
+                # no probe (it would only measure what the load already rules out); the load is
+                # re-read every round, and once it falls the usual probe pace starts over
+                self.probing = False
+                self.skipped += 1
+                self.interval = self.wait = self.probe_every
+                return 0
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
                 self.interval = min(self.max_probe_every, self.interval * 2)
                 if not self.could_pay():  # not even at 90% acceptance: the slowest pace at once

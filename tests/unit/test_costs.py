@@ -98,3 +98,36 @@ def test_greedy_uses_measured_costs_sampling_static(pair, tmp_path, monkeypatch,
     forced = eng.generate(prompt, max_new_tokens=20, params=SamplingParams(temperature=0.9), seed=4,
                           draft=DraftConfig(cost_model="measured"))
     assert forced.stats.cost_model == ("measured" if profile == "measure" else "static")
+
+
+_CHILD = """
+import sys, torch
+from crossdraft import costs
+with costs.cpu_startup_lock(torch.device('cpu'), timeout_s=float(sys.argv[1])) as held:
+    print('held' if held else 'not held')
+"""
+
+
+def _child_lock(tmp_path, timeout_s: float) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, "-c", _CHILD, str(timeout_s)], env=env, capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip()
+
+
+def test_cpu_model_servers_load_and_time_one_at_a_time(tmp_path, monkeypatch):
+    """Two processes on one machine: while one holds the startup lock (loading and timing its
+    model), the other waits -- and after its timeout goes on without it (never a hang)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert _child_lock(tmp_path, 30) == "held"  # nobody else: it gets the lock
+    with costs.cpu_startup_lock(torch.device("cpu")) as held:
+        assert held
+        assert _child_lock(tmp_path, 0.5) == "not held"  # busy: it waited 0.5 s, then went on
+    assert _child_lock(tmp_path, 30) == "held"  # released
+    with costs.cpu_startup_lock(torch.device("meta")) as held:  # not a CPU: no lock at all
+        assert held is False

@@ -247,3 +247,30 @@ def test_a_wholly_accepted_probe_that_still_does_not_pay_keeps_the_pace():
     pol.observe(2, 2)
     assert not pol.pays()
     assert pol.next_k() == 0 and pol.interval == 24
+
+
+def test_under_load_where_no_acceptance_could_pay_nothing_is_probed():
+    """16 sessions share a CPU's fp32 forwards: even blocks accepted in full could not pay, so the
+    session never probes (a probe would feed the drafter everything it missed, for nothing) --
+    until the load falls, when the usual probe pace starts over."""
+    p = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    p.batch = 16.0
+    assert p.loaded_out()
+    ks = _run_batched(p, 200, 16)
+    assert sum(1 for k in ks[1:] if k) == 0
+    ks = _run_batched(p, 40, 1)  # alone again: the batch average decays, probes and drafting resume
+    assert not p.loaded_out() and any(ks)
+    alone = DraftPolicy(DraftConfig(), 3.0, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    assert not alone.could_pay() and not alone.loaded_out()  # alone, a costly drafter still gets rare probes
+
+
+def test_a_cost_table_timed_on_a_busy_machine_is_corrected_by_a_few_probes():
+    """The table says a drafter step costs 14 target steps (timed while another process computed
+    on the same cores); the drafter's own step times in two probe blocks bring that to the truth."""
+    step_s = CPU_TABLE[0] / 1000
+    p = DraftPolicy(DraftConfig(), 14.0, verify_costs=FLAT_TABLE, measured=True)
+    assert not p.could_pay()
+    for _ in range(2):  # two probes of 7 timed steps, each step 0.3 of a target step
+        p.observe_time(7, 7 * 0.3 * step_s, 9, FLAT_TABLE[8] / 1000 * step_s / (FLAT_TABLE[0] / 1000), step_s)
+    assert 0.3 < 14.0 * p.scale_d < 0.6
+    assert p.could_pay()

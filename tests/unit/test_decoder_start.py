@@ -1,0 +1,108 @@
+"""How a request starts: the load it prices drafting at, and when the drafter gets the session.
+
+Tiny random models in process (the round loop is the gateway's). The drafter port is wrapped to
+count the calls the round loop makes; the cost tables are set where a test needs a drafter that
+cannot pay (a drafter twice as costly as its target), so the policy's decision is deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.policy import DraftPolicy
+from crossdraft.sampling import SamplingParams
+from tests.tiny_models import tiny_lm
+
+PROMPT = "import numpy as np\n\nclass Model:\n    def __init__(self):"
+
+
+class CountingDrafter:
+    """A DrafterPort that records the syncs and drafts it passes on."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.syncs: list[list[int]] = []
+        self.drafts = 0
+
+    def sync(self, sid, ids, *a, **kw):
+        self.syncs.append(list(ids))
+        return self.inner.sync(sid, ids, *a, **kw)
+
+    def draft(self, *a, **kw):
+        self.drafts += 1
+        return self.inner.draft(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture()
+def eng(target, tok_d, tmp_path):
+    e = Engine(target, tiny_lm(tok_d, seed=2), vocab_cache_dir=tmp_path)
+    e.counting = CountingDrafter(e.drafter_worker)
+    e.decoder.drafter = e.counting
+    return e
+
+
+def _costly_drafter(eng) -> None:
+    """The drafter's measured forwards cost twice the target's: no acceptance could pay."""
+    eng.drafter_worker._timings = [2.0 * x for x in eng.verifier.timings()]
+    eng.decoder._ratio.clear()
+
+
+def test_a_drafter_that_cannot_pay_gets_no_prompt_and_no_first_block(eng):
+    ref = eng.generate(PROMPT, max_new_tokens=12, use_drafter=False)
+    _costly_drafter(eng)
+    out = eng.generate(PROMPT, max_new_tokens=12)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.mode == "speculative" and out.stats.cost_model == "measured"
+    assert out.stats.drafted == 0 and out.stats.skipped_rounds == out.stats.rounds - 1
+    assert eng.counting.syncs == [] and eng.counting.drafts == 0  # not even the prompt's prefill
+
+
+def test_its_probe_syncs_the_drafter_once_with_everything_generated_so_far(eng, monkeypatch):
+    ref = eng.generate(PROMPT, max_new_tokens=30, use_drafter=False)
+    _costly_drafter(eng)
+    monkeypatch.setattr(DraftPolicy, "max_probe_every", 8)
+    out = eng.generate(PROMPT, max_new_tokens=30)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.drafted > 0  # the probe
+    assert len(eng.counting.syncs) == 1
+    prompt_ids = eng.pair.encode_drafter(PROMPT)
+    synced = eng.counting.syncs[0]
+    # the prompt and the drafter's spelling of the ~8 tokens generated before the probe
+    assert synced[:len(prompt_ids)] == prompt_ids and len(synced) > len(prompt_ids)
+    assert eng.counting.drafts >= 1
+
+
+def test_a_drafter_that_can_pay_gets_the_prompt_at_the_start(eng):
+    out = eng.generate(PROMPT, max_new_tokens=8, draft=DraftConfig(adaptive=False, num_draft_tokens=3))
+    assert out.stats.drafted > 0
+    assert eng.counting.syncs == [eng.pair.encode_drafter(PROMPT)]
+
+
+def test_new_requests_count_the_requests_already_running_as_load(eng, monkeypatch):
+    """A burst of requests starts before any round has reported the verifier's load: each new
+    request prices drafting at least at the number of requests in the loop."""
+    seen = []
+    orig = DraftPolicy.could_pay
+
+    def spy(self, alpha=0.9):
+        seen.append(self.batch)
+        return orig(self, alpha)
+
+    monkeypatch.setattr(DraftPolicy, "could_pay", spy)
+    t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
+    runs = []
+    for i in range(3):
+        run = eng.decoder.run(f"burst-{i}", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0,
+                              draft=DraftConfig())
+        seen.clear()
+        next(iter(run))  # its start (and first round)
+        assert seen and seen[0] >= i + 1, (i, seen)
+        assert eng.decoder._running == i + 1
+        runs.append(run)
+    for run in runs:
+        run.close()
+    assert eng.decoder._running == 0
