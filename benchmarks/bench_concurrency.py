@@ -160,7 +160,8 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
             "texts": {i: results[i].get("text") for i in range(n_req)}}
 
 
-def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: list[str]) -> dict:
+def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: list[str], clients_list: str = "",
+                modes_list: str = "") -> dict:
     print(f"[{label}] starting the stack from {code}", flush=True)
     logs = log_dir / "".join(c if c.isalnum() else "-" for c in label)
     logs.mkdir(parents=True, exist_ok=True)
@@ -168,14 +169,14 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
     out = {"label": label, "code": str(code), "points": []}
     try:
         one_request(stack.url, "def warm_up(x):\n", a, 0.0, True, 0)  # load, time the costs, JIT paths
-        modes = [m for m in a.modes.split(",") if m]
+        modes = [m for m in (modes_list or a.modes).split(",") if m]
         for mode in modes:
             use_drafter = mode == "spec"
             if use_drafter and not a.drafter:
                 continue
             for temperature in [float(x) for x in a.temperatures.split(",")]:
                 alone = None
-                for clients in [int(x) for x in a.clients.split(",")]:
+                for clients in [int(x) for x in (clients_list or a.clients).split(",")]:
                     p = point(stack.url, ps, a, clients, temperature, use_drafter)
                     p.update(mode=mode, temperature=temperature)
                     if temperature == 0.0:
@@ -205,6 +206,35 @@ def baseline_checkout(rev: str, tmp: Path) -> Path:
                     "--pyi_out=.", *protos], cwd=path, check=True)
     (path / "crossdraft" / "v1" / "__init__.py").write_text("")
     return path
+
+
+def summary(res: dict) -> None:
+    """Ratios measured side by side in this run: speculative vs target-only at each point, each
+    version's speculative throughput vs its own at 1 client, and this checkout vs the baseline."""
+    vs = res["versions"]
+
+    def tps(v, mode, temp, c):
+        return next((p["tokens_per_s"] for p in v["points"]
+                     if p["mode"] == mode and p["temperature"] == temp and p["clients"] == c), None)
+
+    for v in vs:
+        for temp in sorted({p["temperature"] for p in v["points"]}):
+            cs = sorted({p["clients"] for p in v["points"] if p["temperature"] == temp})
+            parts = []
+            for c in cs:
+                s, t = tps(v, "spec", temp, c), tps(v, "target", temp, c)
+                one = tps(v, "spec", temp, cs[0])
+                txt = f"{c}c"
+                if s and t:
+                    txt += f" spec/target {s / t:.2f}x"
+                if s and one:
+                    txt += f", spec/own-{cs[0]}c {s / one:.2f}x"
+                if s and len(vs) > 1 and v is vs[0]:
+                    b = tps(vs[-1], "spec", temp, c)
+                    if b:
+                        txt += f", spec/{vs[-1]['label']} {s / b:.2f}x"
+                parts.append(txt)
+            print(f"[{v['label']}] T={temp:g}: " + "; ".join(parts), flush=True)
 
 
 def plot(res: dict, path: Path) -> bool:
@@ -248,6 +278,8 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--baseline", default="", help="git revision of the code to compare with (run from a worktree)")
+    ap.add_argument("--baseline-clients", default="", help="client counts for the baseline (default: --clients)")
+    ap.add_argument("--baseline-modes", default="", help="modes for the baseline (default: --modes)")
     ap.add_argument("--model-args", default="", help="extra flags for this checkout's model servers")
     ap.add_argument("--unbatched", action="store_true",
                     help="also run this checkout with --batching off (same code, one forward at a time)")
@@ -265,7 +297,8 @@ def main() -> None:
     if a.baseline:
         base = baseline_checkout(a.baseline, tmp)
         try:
-            versions.append(run_version(f"before ({a.baseline})", base, a, ps, log_dir, []))
+            versions.append(run_version(f"before ({a.baseline})", base, a, ps, log_dir, [], a.baseline_clients,
+                                        a.baseline_modes))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
@@ -278,6 +311,7 @@ def main() -> None:
     tag = a.tag or f"concurrency-{a.drafter or 'none'}-{a.target}"
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / (tag + '.json')}", flush=True)
+    summary(res)
     if plot(res, out / f"{tag}.png"):
         print(f"wrote {out / (tag + '.png')}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)

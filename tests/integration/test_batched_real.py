@@ -28,6 +28,17 @@ PROMPTS = ["def fibonacci(n):\n", "The three primary colors are", "SELECT name F
 N = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def static_costs():
+    """Drafts must be verified in shared batches here. With measured costs eight fp32 sessions on
+    a CPU would (rightly) stop drafting: no acceptance pays at that load (tests/unit/test_policy.py,
+    tests/unit/test_decoder_start.py). Static costs ignore the load, so the sessions draft."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CROSSDRAFT_COST_PROFILE", "static")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
 def stack(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp("batched-real")
