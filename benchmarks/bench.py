@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
                     help="int8 weight copies for the drafters' one-token steps (crossdraft/quant.py); the HF rows "
                          "use the same drafter objects")
+    ap.add_argument("--no-heal", action="store_true", help="text drafting without token healing (crossdraft.healing)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--hf-target-only", action="store_true", help="also time HF generate() without a drafter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -235,7 +236,7 @@ def main() -> None:
               f"{len(gen) / secs:6.2f} tok/s {json.dumps({k: v for k, v in extra.items() if k != 'logprob'})}",
               flush=True)
 
-    draft_cfg = DraftConfig(num_draft_tokens=a.num_draft_tokens)
+    draft_cfg = DraftConfig(num_draft_tokens=a.num_draft_tokens, heal=not a.no_heal)
     # warm-up (not timed): the first forwards after loading touch every weight page and build the
     # BLAS kernels' state; without this the first prompt's first row (target-only) runs cold
     warm = "def f(x):\n    return"
@@ -393,6 +394,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature,
         "num_draft_tokens": a.num_draft_tokens,
+        "token_healing": not a.no_heal,
         "prompt_set": a.prompt_set,
         "prompt_labels": a.prompt_labels,
         **git_commit(),

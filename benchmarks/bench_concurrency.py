@@ -112,6 +112,8 @@ class Stack:
 def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool, seed: int) -> dict:
     body = {"prompt": prompt, "max_tokens": a.max_new_tokens, "temperature": temperature, "seed": seed,
             "use_drafter": use_drafter}
+    if a.unseeded and temperature > 0:  # no seed: the gateway prices drafting like greedy (gateway.core.draft_config)
+        del body["seed"]
     t0 = time.perf_counter()
     r = requests.post(url + "/v1/completions", json=body, timeout=3600)
     dt = time.perf_counter() - t0
@@ -278,6 +280,7 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--baseline", default="", help="git revision of the code to compare with (run from a worktree)")
+    ap.add_argument("--unseeded", action="store_true", help="sampling requests without a seed")
     ap.add_argument("--baseline-clients", default="", help="client counts for the baseline (default: --clients)")
     ap.add_argument("--baseline-modes", default="", help="modes for the baseline (default: --modes)")
     ap.add_argument("--model-args", default="", help="extra flags for this checkout's model servers")
@@ -304,6 +307,7 @@ def main() -> None:
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
                     "prompts": len(ps), **git_commit(), "baseline": a.baseline, "unbatched": a.unbatched,
+                    "seeded_sampling": not a.unseeded,
                     "time": time.strftime("%Y-%m-%d %H:%M")},
            "versions": versions}
     out = Path(a.out)

@@ -41,6 +41,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     resyncs: int = 0
+    healed: int = 0  # text mode: blocks whose drafter re-chose its last id (token healing, crossdraft.healing)
     skipped_rounds: int = 0  # speculative rounds in which the policy drafted nothing (drafting did not pay)
     cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
     drafted_by_position: list[int] = field(default_factory=list)
@@ -210,6 +211,7 @@ class _Drafted:
     target_ids: list[int]  # the block in target ids
     q_rows: list | None  # sampling: the drafter's distributions over target ids
     seconds: float
+    healed: bytes = b""  # text mode: the drafter replaced its last id, whose bytes the block spells first
 
 
 class Decoder:
@@ -280,13 +282,15 @@ class Decoder:
             return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed, **kw)
 
     def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode,
-               stop_cumulative: float = 0.0):
+               stop_cumulative: float = 0.0, heal: bool = False):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
         key = self.pair.keys[mode]
         kw = dict(k=k, round_index=round_index, params=params, seed=seed, stop_below=stop_below, allowed_key=key,
                   timeout_s=self.drafter_timeout_s)
         if stop_cumulative > 0:  # ports without it still work
             kw["stop_cumulative"] = stop_cumulative
+        if heal:
+            kw["heal"] = True
         try:
             toks = self.drafter.draft(sid, d.pending(), self._expect(d.ids), **kw)
         except (NotFound, FailedPrecondition):
@@ -497,17 +501,29 @@ class Decoder:
             self._sync_drafter(req)
             if not req.spec:  # the drafter failed: the request goes on target-only
                 return _Drafted([], [], None, 0.0)
+        # token healing (text mode): the drafter may re-choose its last id, one the gateway's
+        # re-encoding of the target's text chose (crossdraft.healing); only a generated one
+        d = req.d
+        heal = req.text_mode and req.draft.heal and len(d.ids) > d.prompt_len
+        healed = b""
         try:
             sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
-            toks = self._draft(req.sid, req.d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode,
-                               sc)
+            toks = self._draft(req.sid, d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode,
+                               sc, heal)
         except (Unavailable, ResourceExhausted, InvalidArgument) as e:  # the request goes on target-only
             req.drafter_failed(e)
+        if heal and toks and toks[0].heals:  # the drafter dropped its last id: so does our view of it
+            healed = pair.d_bytes[d.ids.pop()]
+            d.gen_lens.pop()
+            d.sent = min(d.sent, len(d.ids))
+            req.stats.healed += 1
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
         d_prop = [t.id for t in toks]
         q_rows = None
         if req.text_mode:
             drafted_bytes = b"".join(pair.d_bytes[x] for x in d_prop)
+            # a healed block first spells the replaced id's bytes (all of them unless it ended early)
+            drafted_bytes = drafted_bytes[len(healed):] if drafted_bytes.startswith(healed) else b""
             try:
                 drafts_t = pair.encode_target_bytes(drafted_bytes)[: remaining - 1] if drafted_bytes else []
             except ValueError:  # the target cannot spell these bytes: nothing to propose
@@ -517,7 +533,7 @@ class Decoder:
             if not req.params.greedy:
                 q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
         req.stats.draft_s += seconds
-        return _Drafted(toks, drafts_t, q_rows, seconds)
+        return _Drafted(toks, drafts_t, q_rows, seconds, healed)
 
     def _emit(self, req: _Request, emitted: list[int]) -> tuple[list[int], str, bool]:
         """Append the round's target tokens (cut after an EOS); (tokens, complete new text, done)."""
@@ -565,7 +581,7 @@ class Decoder:
     def _commit_drafter(self, req: _Request, drafted: _Drafted, n: int, next_token: int) -> None:
         d_prop = [t.id for t in drafted.tokens]
         if req.text_mode:
-            self._commit_text(req.d, d_prop, drafted.target_ids[:n], next_token)
+            self._commit_text(req.d, d_prop, drafted.target_ids[:n], next_token, drafted.healed)
         else:
             self._commit_tli(req.d, d_prop[:n], next_token, bytes(req.gen_bytes), req.draft.resync_window, req.stats)
 
@@ -608,11 +624,13 @@ class Decoder:
             text = data.decode("utf-8", errors="ignore")
             return list(self.pair.drafter_tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def _commit_text(self, d: DrafterState, proposals: list[int], accepted_t: list[int], next_t: int) -> None:
+    def _commit_text(self, d: DrafterState, proposals: list[int], accepted_t: list[int], next_t: int,
+                     healed: bytes = b"") -> None:
         """Text drafting: keep the drafter proposals lying wholly inside the accepted text, then
-        append the rest of the new text (accepted drafts + the target's token) encoded byte-exactly."""
+        append the rest of the new text (accepted drafts + the target's token) encoded byte-exactly.
+        healed: the bytes of the id the drafter replaced (its proposals spell them first)."""
         pair = self.pair
-        new_bytes = pair.target_text_bytes(accepted_t)
+        new_bytes = healed + pair.target_text_bytes(accepted_t)
         agreed = len(new_bytes)
         new_bytes += pair.target_text_bytes([next_t])
         keep, off = 0, 0

@@ -30,6 +30,9 @@ class DraftConfig:
     # adaptive: draft nothing (target-only rounds) while drafting does not pay, probing now and then
     allow_skip: bool = True
     resync_window: int = 4  # drafter tokens re-tokenised (look-behind) when the target leaves the intersection
+    # text mode: the drafter may re-choose the last id of its re-encoding of the target's text for
+    # the same bytes (token healing, crossdraft.healing); it never changes the output
+    heal: bool = True
     mode: str = "auto"  # "tli" | "text" (greedy only: drafts text, re-encoded into target tokens) | "auto"
     # where the adaptive policy takes costs from: "measured" (the model servers' timed forwards,
     # corrected online by the round's wall-clock times), "static" (weight bytes; a function of the

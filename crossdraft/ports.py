@@ -66,6 +66,8 @@ class DrafterPort(ModelPort, Protocol):
 
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
-              timeout_s: float | None = None, stop_cumulative: float = 0.0) -> "list[DraftToken]":
+              timeout_s: float | None = None, stop_cumulative: float = 0.0,
+              heal: bool = False) -> "list[DraftToken]":
         """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
-        early on the drafter's own doubt: see DrafterSession.draft_iter)."""
+        early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
+        the session's last id (crossdraft.healing); a first token with ``heals`` replaced it."""

@@ -400,6 +400,7 @@ class DraftToken:
     q_probs: np.ndarray | None  # [m] float32, the distribution it was drawn from (unnormalised)
     forward_s: float
     last: bool = False  # the block ends with this proposal
+    heals: bool = False  # (first token only) it replaces the session's last id (crossdraft.healing)
 
 
 class AllowedSet:
@@ -430,27 +431,83 @@ class DrafterSession(_ModelSession):
     """
 
     @torch.inference_mode()
-    def _compact_logits(self, allowed: AllowedSet, props: list[int]) -> torch.Tensor:
-        """Logits of the token after ids + props over the allowed ids only: [A] float32."""
+    def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1) -> torch.Tensor:
+        """Logits of the token after ids + props over the allowed ids only: [A] float32 (keep > 1:
+        the last `keep` positions' rows, [keep, A])."""
         if allowed.head is None:
-            return self.forward(props, keep=1)[0].float()[allowed.ids_dev]
-        return self.forward(props, keep=1, head=allowed.head)[0].float()
+            out = self.forward(props, keep=keep).float()[:, allowed.ids_dev]
+        else:
+            out = self.forward(props, keep=keep, head=allowed.head).float()
+        return out[0] if keep == 1 else out
+
+    @staticmethod
+    def _agreeing(row: torch.Tensor, allowed: AllowedSet, heal, need: bytes) -> torch.Tensor:
+        """The row with every allowed id that disagrees with the bytes ``need`` set to -inf."""
+        ids = torch.as_tensor(heal.agreeing(need))
+        j = torch.searchsorted(allowed.ids, ids).clamp(max=allowed.ids.numel() - 1)
+        j = j[allowed.ids[j] == ids].to(row.device)
+        out = torch.full_like(row, float("-inf"))
+        out[j] = row[j]
+        return out
+
+    def _heal(self, rows: torch.Tensor, allowed: AllowedSet, heal) -> tuple[int, float, bytes] | None:
+        """Token healing (crossdraft.healing): rows[0] scores the position of the last id P. Returns
+        (compact index, its probability, bytes still needed) when the drafter prefers another token
+        for P's bytes -- P has then left the session -- or None (P stays)."""
+        p_tok = self.ids[-1]
+        need = heal.bytes[p_tok] if 0 <= p_tok < len(heal.bytes) else b""
+        if not need:
+            return None
+        row = self._agreeing(rows[0], allowed, heal, need)
+        j = int(torch.argmax(row))
+        tok = int(allowed.ids[j])
+        if not torch.isfinite(row[j]) or tok == p_tok:
+            return None
+        self.ids.pop()
+        n = len(self.ids)  # the cache holds the ids up to P's predecessor (fed by this forward): keep them
+        self.kv.crop(n)
+        del self.fed[n:]
+        return j, float(torch.softmax(row, dim=-1)[j]), heal.rest(need, tok)
 
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
-                   stop_below: float = 0.0, stop_cumulative: float = 0.0):
+                   stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None):
         """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
         the proposals stay in the cache so that an edit keeping them costs nothing).
 
         The block ends early after a proposal whose own probability is below ``stop_below``, or once
         the product of the block's proposal probabilities (the drafter's estimate that the whole
-        block is accepted) is below ``stop_cumulative``."""
+        block is accepted) is below ``stop_cumulative``.
+
+        heal: a :class:`crossdraft.healing.TokenBytes` of this vocabulary to heal the last id
+        (greedy only): if the drafter prefers another token for its bytes, the last id leaves the
+        committed ids and the first proposal (``heals``) replaces it."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
         presence = None
         props: list[int] = []
         cum = 1.0
+        healing = heal is not None and params.greedy and len(self.ids) >= 2
+        if healing:  # the first forward feeds the last two ids: rows for P's position and the next
+            self.truncate_cache(len(self.ids) - 2)
+        need = b""  # bytes of a healed token that the next proposals must still spell
         for i in range(k):
             t0 = time.perf_counter()
-            logits = self._compact_logits(allowed, props)  # [A]; feeds the uncached tail (the last proposal)
+            if healing:
+                healing = False
+                rows = self._compact_logits(allowed, props, keep=2)
+                healed = self._heal(rows, allowed, heal)
+                if healed is not None:
+                    j, conf, need = healed
+                    tok = int(allowed.ids[j])
+                    props.append(tok)
+                    cum *= conf
+                    last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
+                    yield DraftToken(tok, None, None, time.perf_counter() - t0, last, heals=True)
+                    if last:
+                        break
+                    continue
+                logits = rows[1]
+            else:
+                logits = self._compact_logits(allowed, props)  # [A]; feeds the uncached tail (the last proposal)
             if params.repetition_penalty != 1.0:
                 if presence is None:
                     top = int(allowed.ids.max()) + 1
@@ -463,6 +520,8 @@ class DrafterSession(_ModelSession):
                     presence[j] = True
             pres = None if presence is None else presence.unsqueeze(0)
             processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
+            if need:  # the rest of a healed token's bytes
+                processed = self._agreeing(processed, allowed, heal, need)
             if params.greedy:
                 j = int(torch.argmax(processed))
                 conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0
@@ -478,7 +537,10 @@ class DrafterSession(_ModelSession):
             tok = int(allowed.ids[j])
             props.append(tok)  # the next forward feeds exactly this proposal
             cum *= conf
-            last = i == k - 1 or conf < stop_below or cum < stop_cumulative
+            if need:
+                need = heal.rest(need, tok)
+            # (a block still spelling a healed token's bytes has no new text yet: it goes on)
+            last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
             yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last)
             if last:
                 break

@@ -422,6 +422,19 @@ class DrafterWorker(_Worker):
         super().__init__(loaded, cfg, batch)
         self.masks: OrderedDict[str, AllowedSet] = OrderedDict()
         self._all: AllowedSet | None = None
+        self._token_bytes = None  # crossdraft.healing.TokenBytes, built at the first healing request
+
+    def token_bytes(self):
+        """This vocabulary's id -> bytes table for token healing (the same table the gateway's
+        vocabulary pair uses: crossdraft.vocab.token_bytes of the served tokenizer)."""
+        if self._token_bytes is None:
+            from .healing import TokenBytes
+            from .vocab import token_bytes
+
+            table = TokenBytes(token_bytes(self.loaded.tokenizer))
+            with self.lock:
+                self._token_bytes = self._token_bytes or table
+        return self._token_bytes
 
     def _new_session(self, ids):
         return DrafterSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
@@ -477,9 +490,13 @@ class DrafterWorker(_Worker):
             return Expect.of(sess.ids)
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
-                   seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0):
-        """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting)."""
+                   seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0, heal: bool = False):
+        """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting).
+
+        heal: token healing of the session's last id (greedy only; crossdraft.healing)."""
         check_int("num_draft_tokens", k, 1, 64)
+        if heal and not params.greedy:
+            raise InvalidArgument("heal", "token healing is for greedy drafting only (temperature 0)")
         _check_draws(round_index, seed)
         if not 0.0 <= stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
@@ -490,7 +507,8 @@ class DrafterWorker(_Worker):
         with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
-            it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative)
+            it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
+                                 heal=self.token_bytes() if heal else None)
         # the session is held per token, never across a yield: a consumer that stops reading (a
         # cancelled stream) blocks nothing
         while True:
@@ -504,11 +522,11 @@ class DrafterWorker(_Worker):
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
-              stop_cumulative: float = 0.0) -> list[DraftToken]:
+              stop_cumulative: float = 0.0, heal: bool = False) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
         drafters: in process there is no wire to wait on)."""
         return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
-                                    stop_cumulative))
+                                    stop_cumulative, heal))
 
 
 __all__ = ["DrafterWorker", "Expect", "ModelSessionCache", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]

@@ -65,7 +65,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         params = wire.params_from_proto(request.params)
         it = w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
                           int(request.round_index), params, int(request.seed), float(request.stop_below),
-                          request.allowed_key, float(request.stop_cumulative_below))
+                          request.allowed_key, float(request.stop_cumulative_below), bool(request.heal))
         return self._stream(it, context, int(request.num_draft_tokens))
 
     def _stream(self, it, context, k: int):
@@ -78,7 +78,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 TOKEN_SECONDS.observe(tok.forward_s)
                 if self.delay_s:
                     time.sleep(self.delay_s)
-                msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last)
+                msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
+                                             heals=tok.heals)
                 if tok.q_ids is not None:
                     msg.q_token_ids.extend(tok.q_ids.tolist())
                     msg.q_probs.extend(tok.q_probs.tolist())

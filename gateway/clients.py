@@ -214,11 +214,11 @@ class RemoteDrafter(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
-              stop_cumulative=0.0):
+              stop_cumulative=0.0, heal=False):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
-                                       allowed_key=allowed_key, stop_cumulative_below=stop_cumulative)
+                                       allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal)
         if edit is not None:
             req.edit.keep = edit[0]
             req.edit.append.extend(edit[1])
@@ -236,7 +236,8 @@ class RemoteDrafter(_Remote):
                         t = m.token
                         q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
                         q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
-                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last))
+                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
+                                               heals=t.heals and not toks))
             except grpc.RpcError as e:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
                 raise _convert(e, self.who, self.address) from None

@@ -123,7 +123,7 @@ COMPATIBLE = [
     pytest.param(
         "drafter.proto",
         "  string allowed_key = 9; ",
-        "  string allowed_key = 9;\n  uint32 new_field = 11; ",
+        "  string allowed_key = 9;\n  uint32 new_field = 99; ",
         id="add-field",
     ),
     pytest.param(

@@ -1,0 +1,62 @@
+"""Token healing for text drafting: the drafter re-chooses its last token under a byte constraint.
+
+In text mode the drafter continues the target's text from its own re-encoding of that text, and
+the last token of that re-encoding is often one the drafter would never have produced itself: a
+Qwen target ends a line's indentation with one 4-space token before ``return``; SmolLM2 re-encodes
+those 4 spaces as one token too, although its own habit is 3 spaces and then " return" -- so after
+the 4 spaces it proposes " return", 5 spaces in all, and nothing it drafts after an indentation is
+ever accepted.
+
+Healing backs off that last token P and lets the drafter choose again, among the tokens that agree
+with P's bytes: those that start with them (P and more) or are a proper prefix of them (the rest
+of P is then required of the next proposals). If the drafter's choice is P itself nothing changes,
+and the forward that scored P's position is the one that had to feed P anyway (the first forward of
+a block feeds the last two ids and keeps both rows of logits), so healing costs no extra forward.
+If it chooses another token, P leaves the session and the block's proposals spell P's bytes and
+then new text; the caller strips P's bytes from the drafted text. Greedy only (text drafting is).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+
+class TokenBytes:
+    """A vocabulary's id -> bytes table, indexed for the healing constraint."""
+
+    def __init__(self, table: list[bytes | None]):
+        self.bytes = [b or b"" for b in table]
+        items = sorted((b, i) for i, b in enumerate(self.bytes) if b)
+        self._keys = [b for b, _ in items]
+        self._order = np.array([i for _, i in items], dtype=np.int64)
+        self._exact: dict[bytes, list[int]] = {}
+        for b, i in items:
+            self._exact.setdefault(b, []).append(i)
+
+    def agreeing(self, need: bytes) -> np.ndarray:
+        """Ids whose bytes start with ``need``, or are a non-empty proper prefix of it (sorted)."""
+        if not need:
+            return self._order.copy()
+        # the ids starting with `need` are one run of the sorted keys: [need, need's successor)
+        lo = bisect.bisect_left(self._keys, need)
+        up = _successor(need)
+        hi = len(self._keys) if up is None else bisect.bisect_left(self._keys, up, lo)
+        out = [self._order[lo:hi]]
+        for j in range(1, len(need)):
+            ids = self._exact.get(need[:j])
+            if ids:
+                out.append(np.asarray(ids, dtype=np.int64))
+        return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
+
+    def rest(self, need: bytes, tok: int) -> bytes:
+        """What of ``need`` the proposals after ``tok`` must still spell (b"" once it is covered)."""
+        b = self.bytes[tok] if 0 <= tok < len(self.bytes) else b""
+        return need[len(b):] if need.startswith(b) and len(b) < len(need) else b""
+
+
+def _successor(b: bytes) -> bytes | None:
+    """The least byte string greater than every string that starts with ``b`` (None: there is none)."""
+    b = b.rstrip(b"\xff")
+    return b[:-1] + bytes([b[-1] + 1]) if b else None
