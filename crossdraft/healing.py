@@ -8,8 +8,11 @@ the 4 spaces it proposes " return", 5 spaces in all, and nothing it drafts after
 ever accepted.
 
 Healing backs off that last token P and lets the drafter choose again, among the tokens that agree
-with P's bytes: those that start with them (P and more) or are a proper prefix of them (the rest
-of P is then required of the next proposals). If the drafter's choice is P itself nothing changes,
+with P's bytes: those that start with them (P and more) and, when P is all whitespace, those that
+are a proper prefix of them (the rest of P is then required of the next proposals). Prefixes only
+for whitespace: offered a word such as " Create", SmolLM2 preferred a lone " " (then "Create"), an
+unnatural split after which it drafted worse than without healing; for indentation the split is
+the point. If the drafter's choice is P itself nothing changes,
 and the forward that scored P's position is the one that had to feed P anyway (the first forward of
 a block feeds the last two ids and keeps both rows of logits), so healing costs no extra forward.
 If it chooses another token, P leaves the session and the block's proposals spell P's bytes and
@@ -21,6 +24,8 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+
+WHITESPACE = b" \t\r\n"
 
 
 class TokenBytes:
@@ -36,7 +41,8 @@ class TokenBytes:
             self._exact.setdefault(b, []).append(i)
 
     def agreeing(self, need: bytes) -> np.ndarray:
-        """Ids whose bytes start with ``need``, or are a non-empty proper prefix of it (sorted)."""
+        """Ids whose bytes start with ``need`` or -- if ``need`` is all whitespace -- are a non-empty
+        proper prefix of it (sorted)."""
         if not need:
             return self._order.copy()
         # the ids starting with `need` are one run of the sorted keys: [need, need's successor)
@@ -44,7 +50,7 @@ class TokenBytes:
         up = _successor(need)
         hi = len(self._keys) if up is None else bisect.bisect_left(self._keys, up, lo)
         out = [self._order[lo:hi]]
-        for j in range(1, len(need)):
+        for j in range(1, len(need) if not need.strip(WHITESPACE) else 0):
             ids = self._exact.get(need[:j])
             if ids:
                 out.append(np.asarray(ids, dtype=np.int64))

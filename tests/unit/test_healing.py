@@ -21,9 +21,9 @@ from tests.unit.test_work_counting import FeedLog
 PROMPT = "import numpy as np\n\nclass Model:\n    def __init__(self):"
 
 
-def test_agreeing_ids_start_with_the_bytes_or_are_a_prefix_of_them():
+def test_agreeing_ids_start_with_the_bytes_or_are_a_prefix_of_whitespace():
     t = TokenBytes([b"a", b"ab", b"abc", b"b", None, b"   ", b" ", b"  ", b" return", b"\xff", b"\xff\x01", b""])
-    assert t.agreeing(b"ab").tolist() == [0, 1, 2]
+    assert t.agreeing(b"ab").tolist() == [1, 2]  # a word is not split: "a" (then "b") is not offered
     assert t.agreeing(b"    ").tolist() == [5, 6, 7]  # 3, 1 and 2 spaces: the rest follows; " return" does not
     assert t.agreeing(b"\xff").tolist() == [9, 10]
     assert t.agreeing(b"zz").tolist() == []
@@ -115,10 +115,10 @@ def test_a_healed_token_that_spells_only_part_of_the_bytes_makes_the_next_propos
     best = next(x for x in _choice_at_last(drafter, ids, allowed) if x != p)
     table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
     table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
-    table[p] = b"\x10\x11\x12"
-    table[best] = b"\x10"  # a prefix: the next proposal must start with b"\x11\x12"
+    table[p] = b" \t\t"  # whitespace
+    table[best] = b" "  # a prefix: the next proposal must start with the two tabs
     only = next(x for x in range(drafter.vocab_size) if x not in (p, best) and table[x])
-    table[only] = b"\x11\x12\x13"
+    table[only] = b"\t\treturn"
     toks = list(_session(drafter, ids).draft_iter(3, 0, SamplingParams(), 0, allowed, heal=TokenBytes(table)))
     assert [t.id for t in toks[:2]] == [best, only] and toks[0].heals
 
