@@ -486,6 +486,18 @@ class Gateway:
         self.metrics.forks.inc(forked)
         return forked
 
+    def precheck(self, *, session_id: str | None, messages: list | None, options: dict, names: dict | None = None,
+                 stop=None) -> None:
+        """The checks of a request that need no model server and no session, run before it takes an
+        admission slot: a malformed request gets its 400 / INVALID_ARGUMENT even while the gateway
+        is full (not a 429 that would send the client to retry the same mistake)."""
+        if session_id:
+            check_session_id(session_id)
+        validate_options(options, self.cfg, names)
+        check_stop(stop)
+        if messages is not None:
+            validate_messages(messages)
+
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
               api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False,
               owner: str = "", top_logprobs: int = -1, like: "Job | None" = None) -> "Job":

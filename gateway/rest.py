@@ -483,6 +483,8 @@ class RestApi:
         # greedy: the n completions are one and the same -- computed once, sent n times
         greedy = opts.get("temperature", g.cfg.default_temperature) == 0
         runs = 1 if greedy else n
+        g.precheck(session_id=extra.get("session_id"), messages=value if chat else None, options=opts, names=names,
+                   stop=extra.get("stop"))
         jobs = []
         try:
             for i in range(runs):

@@ -47,9 +47,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         prompt = request.prompt if (request.prompt or not messages) else None
         try:
+            options = options_from_proto(request.options)
+            self.gw.precheck(session_id=request.session_id or None, messages=messages, options=options,
+                             stop=list(request.stop) or None)
             self.gw.admission.enter()
             job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
-                                options=options_from_proto(request.options), api="grpc",
+                                options=options, api="grpc",
                                 stop=list(request.stop) or None, admitted=True, owner=owner,
                                 top_logprobs=int(request.top_logprobs) if request.HasField("top_logprobs") else -1)
         except Exception as e:

@@ -199,6 +199,13 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
         time.sleep(0.02)
     refused = [requests.post(http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
                for _ in range(4)]
+    # a malformed request is refused for what it is, full or not (a 429 would invite the same retry)
+    bad = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": -1},
+                        timeout=30)
+    bad_stop = requests.post(http + "/v1/chat/completions", timeout=30,
+                             json={"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5})
+    with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as bad_grpc:
+        c.generate(PROMPT, max_new_tokens=2, temperature=-1.0)
     health = requests.get(http + "/healthz", timeout=10)
     with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as e:
         c.generate(PROMPT, max_new_tokens=2)
@@ -210,6 +217,9 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
     assert all(r.headers.get("Retry-After") and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
     assert "capacity" in refused[0].json()["error"]["message"]
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+    assert bad_stop.status_code == 400 and "stop" in bad_stop.json()["error"]["message"]
+    assert bad_grpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad_grpc.value.details()
     assert health.status_code == 200
     assert results == [200, 200]  # the queued one ran after the first
     assert _gauge(http, "crossdraft_active_requests") == 0 and _gauge(http, "crossdraft_queued_requests") == 0

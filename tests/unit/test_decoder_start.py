@@ -38,8 +38,11 @@ class CountingDrafter:
 
 
 @pytest.fixture()
-def eng(target, tok_d, tmp_path):
+def eng(target, tok_d, tmp_path, monkeypatch):
+    # measured costs (the e2e tests' session turns them off process-wide: make sure they are on)
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
     e = Engine(target, tiny_lm(tok_d, seed=2), vocab_cache_dir=tmp_path)
+    assert e.verifier.timings() and e.drafter_worker.timings()
     e.counting = CountingDrafter(e.drafter_worker)
     e.decoder.drafter = e.counting
     return e

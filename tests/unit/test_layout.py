@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("drafter", "verifier", "gateway")
-CORE = ("sampling", "vocab", "healing", "engine", "decode", "workers", "sessions", "policy", "ports", "costs", "models", "errors")
+CORE = ("sampling", "vocab", "healing", "engine", "decode", "workers", "sessions", "policy", "ports", "costs", "models",
+        "errors")
 
 
 def imported_modules(path: Path) -> set[str]:
