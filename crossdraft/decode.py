@@ -635,10 +635,10 @@ class Decoder:
         new_bytes += pair.target_text_bytes([next_t])
         keep, off = 0, 0
         for x in proposals:
-            ln = len(pair.d_bytes[x])
-            if off + ln > agreed:
+            b = pair.d_bytes[x]
+            if off + len(b) > agreed or new_bytes[off:off + len(b)] != b:
                 break
-            off += ln
+            off += len(b)
             keep += 1
         tail = self._encode_drafter_bytes(new_bytes[off:])
         d.edit(len(d.ids), proposals[:keep] + tail)

@@ -522,6 +522,8 @@ class DrafterSession(_ModelSession):
             processed = S.process_logits(logits.unsqueeze(0), params, pres)[0]
             if need:  # the rest of a healed token's bytes
                 processed = self._agreeing(processed, allowed, heal, need)
+                if not bool(torch.isfinite(processed).any()):
+                    break  # no allowed id can spell the rest: the block ends (it drafted no new text)
             if params.greedy:
                 j = int(torch.argmax(processed))
                 conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0

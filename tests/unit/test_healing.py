@@ -158,3 +158,16 @@ def test_text_drafting_with_healing_keeps_the_output_and_the_drafters_text_exact
         eng.verifier.end(f"h{n}")
         eng.drafter_worker.end(f"h{n}")
     assert healed > 0  # the random drafter often prefers another spelling than the re-encoding's
+
+
+def test_a_split_no_token_can_finish_ends_the_block_instead_of_proposing_other_text(drafter, tok_d):
+    allowed = _allowed(drafter)
+    ids = _ids(drafter, tok_d)
+    p = ids[-1]
+    best = next(x for x in _choice_at_last(drafter, ids, allowed) if x != p)
+    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
+    table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
+    table[p] = b" \t"
+    table[best] = b" "  # a prefix, and no id starts with the tab that must follow
+    toks = list(_session(drafter, ids).draft_iter(4, 0, SamplingParams(), 0, allowed, heal=TokenBytes(table)))
+    assert [t.id for t in toks] == [best] and toks[0].heals
