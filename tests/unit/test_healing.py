@@ -53,6 +53,13 @@ def _choice_at_last(drafter, ids, allowed) -> list[int]:
     return [int(allowed.ids[j]) for j in torch.argsort(row[allowed.ids], descending=True)[:8]]
 
 
+def _disagreeing_table(drafter, tok_d) -> list:
+    """The drafter's byte table with every byte-bearing id rewritten to bytes no other id agrees
+    with (a test then sets the few entries its case needs)."""
+    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
+    return [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
+
+
 def _ids(drafter, tok_d):
     ids = tok_d(PROMPT, add_special_tokens=False)["input_ids"]
     return list(ids)
@@ -63,8 +70,7 @@ def test_the_drafter_replaces_its_last_id_with_the_token_it_prefers_for_those_by
     ids = _ids(drafter, tok_d)
     p = ids[-1]
     best = next(x for x in _choice_at_last(drafter, ids, allowed) if x != p)
-    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
-    table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]  # all disagree...
+    table = _disagreeing_table(drafter, tok_d)  # all disagree...
     table[p] = b"\x10\x11"
     table[best] = b"\x10\x11\x12"  # ...but `best` spells P's bytes and one more
     heal = TokenBytes(table)
@@ -93,8 +99,7 @@ def test_the_drafter_replaces_its_last_id_with_the_token_it_prefers_for_those_by
 def test_when_the_last_id_is_the_drafters_choice_nothing_changes_and_no_forward_is_added(drafter, tok_d):
     allowed = _allowed(drafter)
     ids = _ids(drafter, tok_d)
-    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
-    table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
+    table = _disagreeing_table(drafter, tok_d)
     table[ids[-1]] = b"\x10\x11"  # no other id agrees with P's bytes
     heal = TokenBytes(table)
     plain = list(_session(drafter, ids).draft_iter(4, 0, SamplingParams(), 0, allowed))
@@ -113,8 +118,7 @@ def test_a_healed_token_that_spells_only_part_of_the_bytes_makes_the_next_propos
     ids = _ids(drafter, tok_d)
     p = ids[-1]
     best = next(x for x in _choice_at_last(drafter, ids, allowed) if x != p)
-    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
-    table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
+    table = _disagreeing_table(drafter, tok_d)
     table[p] = b" \t\t"  # whitespace
     table[best] = b" "  # a prefix: the next proposal must start with the two tabs
     only = next(x for x in range(drafter.vocab_size) if x not in (p, best) and table[x])
@@ -165,8 +169,7 @@ def test_a_split_no_token_can_finish_ends_the_block_instead_of_proposing_other_t
     ids = _ids(drafter, tok_d)
     p = ids[-1]
     best = next(x for x in _choice_at_last(drafter, ids, allowed) if x != p)
-    table = list(token_bytes(tok_d)) + [None] * (drafter.vocab_size - len(tok_d))
-    table = [b"\x01" + bytes([i % 251]) + b"\x02" if b else b for i, b in enumerate(table)]
+    table = _disagreeing_table(drafter, tok_d)
     table[p] = b" \t"
     table[best] = b" "  # a prefix, and no id starts with the tab that must follow
     toks = list(_session(drafter, ids).draft_iter(4, 0, SamplingParams(), 0, allowed, heal=TokenBytes(table)))
