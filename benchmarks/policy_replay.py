@@ -43,6 +43,9 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
     pol = DraftPolicy(cfg, c, verify_costs=target_ms, measured=True, drafter_costs=drafter_ms)
     pol.confident = confident and cfg.adaptive
     k = pol.hi if pol.confident else cfg.num_draft_tokens
+    if cfg.adaptive and cfg.allow_skip and not (pol.could_pay() and pol.worth_probing(len(match))):
+        k = 0  # as the round loop starts a request (crossdraft.decode.Decoder._start), one session alone
+        pol.interval = pol.wait = pol.max_probe_every if not pol.could_pay() else pol.probe_pace()
     i = drafted = accepted = rounds = 0
     cost = 0.0
     while i < n_tok:
@@ -62,7 +65,7 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
         pol.observe(kd, n)
         i += n + 1
         if i < n_tok:
-            k = pol.next_k()
+            k = pol.next_k(n_tok - i)
     return {"speedup": n_tok / cost, "drafted": drafted, "accepted": accepted, "rounds": rounds}
 
 

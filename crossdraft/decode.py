@@ -381,6 +381,11 @@ class Decoder:
                 # drafting does not pay at this load: start target-only (the policy probes later).
                 # Alone, the first block still drafts: it measures this text's acceptance.
                 req.k = 0
+            elif not pol.worth_probing(req.max_new_tokens):
+                # a pair near its break-even, or a short completion: even text the drafter gets right
+                # would not win back the first block's cost (the policy probes if the request is long)
+                req.k = 0
+                pol.interval = pol.wait = pol.probe_pace()
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
         elif req.spec:
@@ -483,7 +488,7 @@ class Decoder:
             req.d.edit(req.d.prompt_len, self._encode_drafter_bytes(bytes(req.gen_bytes)))
         if not done and req.spec:
             self._commit_drafter(req, drafted, n, res.next_token)
-            req.k = req.policy.next_k()
+            req.k = req.policy.next_k(req.max_new_tokens - len(req.gen))
         overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
         stats.overhead_s += overhead
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,

@@ -103,6 +103,9 @@ class DraftPolicy:
     decay = 0.85
     probe_every = 6
     max_probe_every = 48
+    # measured costs: a probe (and a request's first block) is sent only where finding the text
+    # draftable could save this many times the probe's own cost (see worth_probing)
+    probe_value = 4.0
     margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
     time_decay = 0.8
     batch_decay = 0.7
@@ -242,11 +245,57 @@ class DraftPolicy:
         finally:
             self.succ, self.trials = saved
 
+    def probe_cost(self) -> float:
+        """What a probe costs, in target decoding steps: one drafter forward (the one that also feeds
+        what the drafter missed; a block the drafter doubts ends there) and a verification one
+        token longer."""
+        b = self.batch if self.measured else 1.0
+        sv, vb = self.scale_v, self.vcost(b)
+        drafter = self.c * self.scale_d * self.dcost(b) * self.steps_per_token()
+        return (drafter + sv * max(0.0, self.vcost(2 * b) - vb)) / (sv * vb)
+
+    def saving(self, alpha: float = 0.9) -> float:
+        """The share of a target step per generated token that drafting would save at a high
+        acceptance (0 where it would not pay): the most a probe that finds such text can win."""
+        saved = self.succ, self.trials
+        self.succ, self.trials = alpha, 1.0
+        try:
+            best = max(self.rate(k) for k in range(self.cfg.min_draft_tokens, self.hi + 1))
+        finally:
+            self.succ, self.trials = saved
+        return max(0.0, 1.0 - 1.0 / best)
+
+    def worth_probing(self, remaining: int | None) -> bool:
+        """Measured costs: whether `remaining` tokens leave room for a probe to pay -- drafting them
+        all at 90% acceptance would save `probe_value` times the probe's cost. A pair near its
+        break-even (smollm2-135m for gemma3-270m: 7% at best, a probe ~1 target step) then drafts a
+        64-token completion's first block and nothing after it; the default pair (~50%) probes
+        until the last few tokens. None (unknown) and static costs: always; and a drafter that could
+        not pay even at 90% acceptance keeps its rare probes (every ``max_probe_every`` rounds): they
+        are what corrects a cost table measured wrong (one timed on a busy machine)."""
+        if remaining is None or not self.measured or not self.could_pay():
+            return True
+        return remaining * self.saving() >= self.probe_value * self.probe_cost()
+
+    def probe_pace(self) -> int:
+        """The probes' shortest interval in rounds (measured costs): long enough that the rounds
+        between two probes could save `probe_value` times a probe's cost (``probe_every`` for a
+        pair that pays well, up to ``max_probe_every`` near the break-even)."""
+        if not self.measured:
+            return self.probe_every
+        s = self.saving()
+        if s <= 0:
+            return self.max_probe_every
+        need = math.ceil(self.probe_value * self.probe_cost() / s)
+        return min(self.max_probe_every, max(self.probe_every, need))
+
     def loaded_out(self) -> bool:
         """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
         return self.measured and self.batch > 1.5 and not self.could_pay()
 
-    def next_k(self) -> int:
+    def next_k(self, remaining: int | None = None) -> int:
+        """The next round's block size; `remaining` = tokens the request may still generate (a
+        probe needs room to pay back, see worth_probing; None = unknown)."""
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.num_draft_tokens
@@ -262,13 +311,17 @@ class DraftPolicy:
                 self.interval = self.wait = self.probe_every
                 return 0
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
-                self.interval = min(self.max_probe_every, self.interval * 2)
+                self.interval = max(self.probe_pace(), min(self.max_probe_every, self.interval * 2))
                 if not self.could_pay():  # not even at 90% acceptance: the slowest pace at once
                     self.interval = self.max_probe_every
                 self.wait = self.interval
+            elif self.skipped == 0:  # drafting (or the first block) just stopped paying
+                self.interval = self.wait = max(self.interval, self.probe_pace())
             self.probing = False
             self.skipped += 1
             self.wait -= 1
+            if self.wait <= 0 and not self.worth_probing(remaining):
+                self.wait = self.interval  # too few tokens left for a probe to pay back its cost
             if self.wait <= 0:
                 # the text may have changed since alpha was last measured: let the probe's own
                 # outcome dominate (a light, pessimistic prior of weight 1) instead of nudging a stale estimate

@@ -122,3 +122,28 @@ def test_sampling_without_a_callers_seed_prices_drafting_like_greedy():
     assert draft_config({}, SamplingParams(), 4).cost_model == "auto"  # auto = measured for greedy
     cfg = draft_config({"num_draft_tokens": 12, "adaptive_draft": False}, hot, 4)
     assert (cfg.num_draft_tokens, cfg.adaptive, cfg.max_draft_tokens) == (12, False, 12)
+
+
+def test_a_short_completion_on_a_pair_near_its_break_even_gets_no_first_block(eng):
+    """A drafter that could pay a little (a step ~0.7 of the target's): the first block is sent only
+    when the request is long enough for drafting to win back its cost (DraftPolicy.worth_probing)."""
+    f = pol = None
+    for scale in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3):  # the costliest drafter that still could pay
+        eng.drafter_worker._timings = [scale * x for x in eng.verifier.timings()]
+        eng.decoder._ratio.clear()
+        pol, _ = eng.decoder._policy("text", DraftConfig(), SamplingParams())
+        if pol.could_pay():
+            f = scale
+            break
+    assert f is not None and pol.saving() < 0.5
+    need = pol.probe_value * pol.probe_cost() / pol.saving()
+    print(f"drafter step {f} of the target's: drafting pays from {need:.1f} tokens on")
+    short = max(1, int(need) - 2)
+    ref = eng.generate(PROMPT, max_new_tokens=short, use_drafter=False)
+    out = eng.generate(PROMPT, max_new_tokens=short)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.drafted == 0 and eng.counting.syncs == [] and eng.counting.drafts == 0
+    eng.counting.syncs.clear()
+    long = int(need) + 2
+    out = eng.generate(PROMPT, max_new_tokens=long)  # long enough: the first block drafts
+    assert eng.counting.syncs and eng.counting.drafts >= 1 and out.stats.drafted > 0
