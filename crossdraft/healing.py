@@ -32,13 +32,17 @@ class TokenBytes:
     """A vocabulary's id -> bytes table, indexed for the healing constraint."""
 
     def __init__(self, table: list[bytes | None]):
-        self.bytes = [b or b"" for b in table]
-        items = sorted((b, i) for i, b in enumerate(self.bytes) if b)
-        self._keys = [b for b, _ in items]
-        self._order = np.array([i for _, i in items], dtype=np.int64)
+        self.bytes = by = [b or b"" for b in table]
+        # (ids sorted by their bytes, ties by id: a sort of ints keyed by the table is ~5x quicker
+        # than one of (bytes, id) tuples -- 262,144 ids for a Gemma-3 drafter)
+        order = sorted((i for i, b in enumerate(by) if b), key=by.__getitem__)
+        self._keys = [by[i] for i in order]
+        self._order = np.array(order, dtype=np.int64)
+        # exact matches are only ever looked up for the whitespace prefixes of a whitespace token
         self._exact: dict[bytes, list[int]] = {}
-        for b, i in items:
-            self._exact.setdefault(b, []).append(i)
+        for i in order:
+            if not by[i].strip(WHITESPACE):
+                self._exact.setdefault(by[i], []).append(i)
 
     def agreeing(self, need: bytes) -> np.ndarray:
         """Ids whose bytes start with ``need`` or -- if ``need`` is all whitespace -- are a non-empty
