@@ -43,8 +43,10 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
     pol = DraftPolicy(cfg, c, verify_costs=target_ms, measured=True, drafter_costs=drafter_ms)
     pol.confident = confident and cfg.adaptive
     k = pol.hi if pol.confident else cfg.num_draft_tokens
+    # as the round loop starts a request (crossdraft.decode.Decoder._start), one session alone (the
+    # traces do not record the prompt's length: its drafter prefill is priced as one token)
     if cfg.adaptive and cfg.allow_skip and not (pol.could_pay() and pol.worth_probing(len(match))):
-        k = 0  # as the round loop starts a request (crossdraft.decode.Decoder._start), one session alone
+        k = 0
         pol.interval = pol.wait = pol.max_probe_every if not pol.could_pay() else pol.probe_pace()
     i = drafted = accepted = rounds = 0
     cost = 0.0

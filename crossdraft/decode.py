@@ -338,7 +338,7 @@ class Decoder:
         run._gen = self._rounds(run, req, round_start, round_scope)
         return run
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: _Request, round_index: int = 0) -> None:
         """Sync both servers with the prompt; choose the drafting mode and the policy."""
         stats = req.stats
         reused, _ = self.verifier.sync(req.sid, req.t_ids)
@@ -381,9 +381,11 @@ class Decoder:
                 # drafting does not pay at this load: start target-only (the policy probes later).
                 # Alone, the first block still drafts: it measures this text's acceptance.
                 req.k = 0
-            elif not pol.worth_probing(req.max_new_tokens):
+            elif not pol.worth_probing(req.max_new_tokens, len(req.d.ids) if round_index == 0 else 1):
                 # a pair near its break-even, or a short completion: even text the drafter gets right
-                # would not win back the first block's cost (the policy probes if the request is long)
+                # would not win back the first block's cost, the drafter's prefill of the prompt
+                # included (a session's later requests find most of it cached); the policy probes
+                # later if the request is long enough
                 req.k = 0
                 pol.interval = pol.wait = pol.probe_pace()
         if req.spec and req.k == 0:
@@ -412,7 +414,7 @@ class Decoder:
                 self._running -= 1
 
     def _loop(self, run: Run, req: _Request, round_index: int, round_scope, t_start: float):
-        self._start(req)
+        self._start(req, round_index)
         while True:
             ev = None
             with (round_scope(round_index) if round_scope is not None else nullcontext(None)) as record:

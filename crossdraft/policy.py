@@ -245,13 +245,15 @@ class DraftPolicy:
         finally:
             self.succ, self.trials = saved
 
-    def probe_cost(self) -> float:
-        """What a probe costs, in target decoding steps: one drafter forward (the one that also feeds
-        what the drafter missed; a block the drafter doubts ends there) and a verification one
-        token longer."""
+    def probe_cost(self, feed: int = 1) -> float:
+        """What a probe costs, in target decoding steps: the drafter forward that feeds the `feed`
+        tokens it has not seen (a request's prompt for its first block, the skipped rounds' tokens
+        for a probe) and proposes the first token, the further steps one drafted target token takes
+        (text mode), and a verification one token longer. A block the drafter doubts ends there."""
         b = self.batch if self.measured else 1.0
         sv, vb = self.scale_v, self.vcost(b)
-        drafter = self.c * self.scale_d * self.dcost(b) * self.steps_per_token()
+        steps = self.dcost(max(1, feed)) + self.steps_per_token() - 1.0
+        drafter = self.c * self.scale_d * self.dcost(b) * steps
         return (drafter + sv * max(0.0, self.vcost(2 * b) - vb)) / (sv * vb)
 
     def saving(self, alpha: float = 0.9) -> float:
@@ -265,7 +267,7 @@ class DraftPolicy:
             self.succ, self.trials = saved
         return max(0.0, 1.0 - 1.0 / best)
 
-    def worth_probing(self, remaining: int | None) -> bool:
+    def worth_probing(self, remaining: int | None, feed: int = 1) -> bool:
         """Measured costs: whether `remaining` tokens leave room for a probe to pay -- drafting them
         all at 90% acceptance would save `probe_value` times the probe's cost. A pair near its
         break-even (smollm2-135m for gemma3-270m: 7% at best, a probe ~1 target step) then drafts a
@@ -275,7 +277,7 @@ class DraftPolicy:
         are what corrects a cost table measured wrong (one timed on a busy machine)."""
         if remaining is None or not self.measured or not self.could_pay():
             return True
-        return remaining * self.saving() >= self.probe_value * self.probe_cost()
+        return remaining * self.saving() >= self.probe_value * self.probe_cost(feed)
 
     def probe_pace(self) -> int:
         """The probes' shortest interval in rounds (measured costs): long enough that the rounds
@@ -320,7 +322,7 @@ class DraftPolicy:
             self.probing = False
             self.skipped += 1
             self.wait -= 1
-            if self.wait <= 0 and not self.worth_probing(remaining):
+            if self.wait <= 0 and not self.worth_probing(remaining, self.skipped):
                 self.wait = self.interval  # too few tokens left for a probe to pay back its cost
             if self.wait <= 0:
                 # the text may have changed since alpha was last measured: let the probe's own

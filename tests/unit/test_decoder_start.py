@@ -136,7 +136,8 @@ def test_a_short_completion_on_a_pair_near_its_break_even_gets_no_first_block(en
             f = scale
             break
     assert f is not None and pol.saving() < 0.5
-    need = pol.probe_value * pol.probe_cost() / pol.saving()
+    # (its first block also feeds the drafter the prompt)
+    need = pol.probe_value * pol.probe_cost(len(eng.pair.encode_drafter(PROMPT))) / pol.saving()
     print(f"drafter step {f} of the target's: drafting pays from {need:.1f} tokens on")
     short = max(1, int(need) - 2)
     ref = eng.generate(PROMPT, max_new_tokens=short, use_drafter=False)

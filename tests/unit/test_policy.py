@@ -309,11 +309,25 @@ def test_a_pair_near_its_break_even_probes_only_where_a_probe_could_pay_back():
 
 
 def test_a_pair_that_pays_well_keeps_its_probe_pace_until_the_last_tokens():
-    cheap = DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, measured=True)
-    assert cheap.saving() > 0.5 and cheap.probe_pace() == DraftPolicy.probe_every
-    assert cheap.worth_probing(3) and not cheap.worth_probing(0)
-    ks = _run_left(cheap, 60, lambda k: 0)
-    assert ks == _run(DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, measured=True), 60, lambda k: 0)
+    def cheap():
+        return DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, drafter_costs=FLAT_TABLE, measured=True)
+
+    p = cheap()
+    assert p.saving() > 0.5 and p.probe_pace() == DraftPolicy.probe_every
+    assert p.worth_probing(3) and not p.worth_probing(0)
+    ks = _run_left(p, 60, lambda k: 0)
+    assert ks == _run(cheap(), 60, lambda k: 0)
+
+
+def test_the_tokens_a_probe_must_feed_the_drafter_first_count_in_its_cost():
+    """A probe's first drafter forward feeds what the drafter missed (the prompt, for a request's
+    first block): on a CPU in fp32 that forward grows with its tokens, so a long prompt makes the
+    first block costlier -- a request needs more tokens ahead to be worth it."""
+    p = DraftPolicy(DraftConfig(), 0.3, verify_costs=FLAT_TABLE, drafter_costs=CPU_TABLE, measured=True)
+    assert p.probe_cost(300) > 5 * p.probe_cost(1)
+    n1 = next(n for n in range(1, 10_000) if p.worth_probing(n, 1))
+    n300 = next(n for n in range(1, 10_000) if p.worth_probing(n, 300))
+    assert n300 > 5 * n1
 
 
 def test_static_costs_probe_as_before_whatever_is_left():
