@@ -31,7 +31,7 @@ from crossdraft.sampling import SamplingParams
 from crossdraft.tls import TLSConfig
 from crossdraft.vocab import TokenPair
 
-from .sessions import RedisSessionStore, Session
+from .sessions import RedisSessionStore, Session, server_session_id
 
 log = logging.getLogger("crossdraft.gateway")
 
@@ -451,9 +451,8 @@ class Gateway:
             s = self.store.get(sid, owner)
         if s is None:
             return False  # none, or another key's (which stays)
-        existed = self.store.delete(sid)
-        if s is not None:
-            self.end_on_servers(sid, s.verifier_address, s.drafter_address)
+        existed = self.store.delete(s)
+        self.end_on_servers(server_session_id(s.session_id, s.owner), s.verifier_address, s.drafter_address)
         return existed
 
     # ---- generation --------------------------------------------------------------------------
@@ -544,12 +543,12 @@ class Gateway:
         lease = None
         if session_id:
             session = self.store.get(session_id, owner)
-            lease = self.store.acquire(session_id)
+            lease = self.store.acquire(session)
         try:
             return Job(self, session, lease, prompt, messages, opts, api, names, stop, top_logprobs, like)
         except BaseException:
             if lease:
-                self.store.release(session_id, lease)
+                self.store.release(session, lease)
             raise
 
 
@@ -628,7 +627,7 @@ class Job:
             raise InvalidArgument(names.get("prompt", "prompt"), "is empty after tokenisation")
         self.prompt_text = prompt
         self.t_ids, self.d_ids = t_ids, d_ids
-        self.sid = session.session_id if session else f"oneoff-{uuid.uuid4().hex}"
+        self.sid = server_session_id(session.session_id, session.owner) if session else f"oneoff-{uuid.uuid4().hex}"
         try:
             self.run = gw.decoder(self.v_addr, self.d_addr).run(
                 self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
@@ -760,7 +759,7 @@ class Job:
             self.admitted = False
             self.gw.admission.leave()
         if self.lease and self.session is not None:
-            self.gw.store.release(self.session.session_id, self.lease)
+            self.gw.store.release(self.session, self.lease)
             self.lease = None
         if self._placed:
             self._placed = False

@@ -48,7 +48,7 @@ class Session:
     def to_json(self) -> str:
         # token ids as base64 of int32 little-endian: ~20x faster than a JSON list, and smaller
         """The session as one compact JSON document (token ids packed by _pack_ids)."""
-        d = dict(self.__dict__)
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}  # (not the store's bookkeeping)
         d["target_ids"] = _pack_ids(self.target_ids)
         d["drafter_ids"] = _pack_ids(self.drafter_ids)
         return json.dumps(d, separators=(",", ":"))
@@ -86,6 +86,14 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
+def server_session_id(sid: str, owner: str = "") -> str:
+    """The id a session has on the model servers. With API keys on, two keys may each have a session
+    of the same id (each key's sessions are a namespace of their own), so the key's owner hash goes
+    into it: their caches on a verifier or drafter must never meet. At most 57 characters of the
+    session id alphabet."""
+    return sid if not owner else f"{sid[:40]}-{owner[:16]}"
+
+
 class RedisSessionStore:
     """Session documents and per-session leases in Redis; a session expires ttl_s after its last write."""
 
@@ -104,9 +112,17 @@ class RedisSessionStore:
             kw["ssl_ca_certs"] = tls_ca_file
         self.r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, **kw)
 
-    def _key(self, sid: str) -> str:
-        """The Redis key of session `sid`'s document (its lease is this key + ':lease')."""
-        return f"{self.prefix}session:{sid}"
+    def _key(self, sid: str, owner: str = "") -> str:
+        """The Redis key of session `sid`'s document (its lease is this key + ':lease'). With API keys
+        on, each key's sessions live under its owner hash: another key may use the same id, and
+        learns nothing about this one's sessions (a create of a taken id is not refused). A session
+        id has no ':', so the two forms never meet."""
+        return f"{self.prefix}session:{sid}" if not owner else f"{self.prefix}session:{owner[:32]}:{sid}"
+
+    def _doc_key(self, s: Session) -> str:
+        """Where session `s` was read from: a session created with a key before per-key namespaces
+        existed stays at its old key (its owner is checked on reading it)."""
+        return getattr(s, "_store_key", None) or self._key(s.session_id, s.owner)
 
     def _do(self, fn, *args):
         """Run one Redis call; a Redis error becomes Unavailable."""
@@ -127,7 +143,7 @@ class RedisSessionStore:
         sid = check_session_id(session_id) if session_id else uuid.uuid4().hex
         now = time.time()
         s = Session(sid, now, now, options=options, owner=owner)
-        ok = self._do(lambda: self.r.set(self._key(sid), s.to_json(), px=self.ttl_ms, nx=True))
+        ok = self._do(lambda: self.r.set(self._key(sid, owner), s.to_json(), px=self.ttl_ms, nx=True))
         if not ok:
             raise FailedPrecondition(f"session_id: session {sid!r} already exists")
         return s
@@ -136,34 +152,39 @@ class RedisSessionStore:
         """Load session `sid`; NotFound if it was never created, was deleted or has expired -- or,
         when ``owner`` is given, belongs to another API key (indistinguishable on purpose)."""
         check_session_id(sid)
-        raw = self._do(self.r.get, self._key(sid))
+        key = self._key(sid, owner or "")
+        raw = self._do(self.r.get, key)
+        if raw is None and owner:  # created with this key before keys had namespaces: its old place
+            key = self._key(sid)
+            raw = self._do(self.r.get, key)
         s = Session.from_json(raw) if raw is not None else None
         if s is None or (owner is not None and s.owner != owner):
             raise NotFound("session_id", f"no session {sid!r} (never created, deleted, or expired)")
+        s._store_key = key
         return s
 
     def save(self, s: Session) -> bool:
         """Write the whole session back, stamping updated_unix_s and restarting its TTL -- only if it
         still exists: a session deleted while a request on it runs stays deleted. Whether it was saved."""
         s.updated_unix_s = time.time()
-        return bool(self._do(lambda: self.r.set(self._key(s.session_id), s.to_json(), px=self.ttl_ms, xx=True)))
+        key = self._doc_key(s)
+        return bool(self._do(lambda: self.r.set(key, s.to_json(), px=self.ttl_ms, xx=True)))
 
-    def delete(self, sid: str) -> bool:
-        """Delete session `sid`; whether it existed."""
-        check_session_id(sid)
-        return bool(self._do(self.r.delete, self._key(sid)))
+    def delete(self, s: Session) -> bool:
+        """Delete session `s` (as :meth:`get` returned it); whether it still existed."""
+        return bool(self._do(self.r.delete, self._doc_key(s)))
 
-    def acquire(self, sid: str) -> str:
+    def acquire(self, s: Session) -> str:
         """Take the session's lease (one request at a time); returns its token; FailedPrecondition if busy."""
         token = uuid.uuid4().hex
-        ok = self._do(lambda: self.r.set(f"{self._key(sid)}:lease", token, px=self.lease_ms, nx=True))
+        ok = self._do(lambda: self.r.set(f"{self._doc_key(s)}:lease", token, px=self.lease_ms, nx=True))
         if not ok:
-            raise FailedPrecondition(f"session_id: session {sid!r} is busy with another request")
+            raise FailedPrecondition(f"session_id: session {s.session_id!r} is busy with another request")
         return token
 
-    def release(self, sid: str, token: str) -> None:
+    def release(self, s: Session, token: str) -> None:
         """Drop the lease if `token` still holds it; Redis errors are ignored (the lease expires)."""
         try:
-            self.r.eval(_RELEASE, 1, f"{self._key(sid)}:lease", token)
+            self.r.eval(_RELEASE, 1, f"{self._doc_key(s)}:lease", token)
         except redis.RedisError:
             pass  # the lease expires by itself

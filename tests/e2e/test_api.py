@@ -384,6 +384,29 @@ def test_sessions_belong_to_the_api_key_that_created_them(stack, tmp_path):
         r_ = redis_lib.Redis.from_url(stack.redis.url)
         raw = b"".join(r_.get(k) or b"" for k in r_.scan_iter("*") if sid.encode() in k and b"lease" not in k)
         assert b'"owner":"' in raw and b'"owner":""' not in raw and b"secret-key-one" not in raw
+
+        # the same id under the other key: a session of its own (each key's ids are a namespace), not
+        # 409 -- which would tell k2 that some other key uses that id
+        r = requests.post(http + "/v1/sessions", json={"session_id": sid, "max_tokens": 4}, headers=k2, timeout=30)
+        assert r.status_code == 200 and r.json()["session_id"] == sid, r.text
+        r = requests.post(http + "/v1/sessions", json={"session_id": sid}, headers=k1, timeout=30)
+        assert r.status_code == 409  # (k1's own id is taken, in k1's namespace)
+        r = requests.post(http + "/v1/completions", json={"prompt": "Another text entirely.", "session_id": sid},
+                          headers=k2, timeout=60)
+        assert r.status_code == 200
+        mine = requests.get(f"{http}/v1/sessions/{sid}", headers=k1, timeout=30).json()
+        theirs = requests.get(f"{http}/v1/sessions/{sid}", headers=k2, timeout=30).json()
+        assert mine["turns"] == theirs["turns"] == 1
+        assert mine["text"].startswith("My secret is 42.") and theirs["text"].startswith("Another text entirely.")
+        # and on the model servers too: k1's next turn finds all of its history cached (had k2's turn
+        # used the same server-side session, k1's cache would hold k2's text and reuse nothing)
+        r = requests.post(http + "/v1/completions", json={"prompt": " And then", "session_id": sid},
+                          headers=k1, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["speculative"]["reused_target_tokens"] >= mine["target_tokens"] - 1, r.json()["speculative"]
+        # k2 deletes its session: k1's stays
+        assert requests.delete(f"{http}/v1/sessions/{sid}", headers=k2, timeout=30).status_code == 200
+        assert requests.get(f"{http}/v1/sessions/{sid}", headers=k1, timeout=30).json()["turns"] == 2
         # the owner deletes it
         assert requests.delete(f"{http}/v1/sessions/{sid}", headers=k1, timeout=30).status_code == 200
     finally:

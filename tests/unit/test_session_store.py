@@ -1,0 +1,85 @@
+"""The gateway's session store on a real redis-server: each API key's session ids are a namespace.
+
+With keys on, two keys may each hold a session called "chat": their documents, leases and
+model-server session ids never meet, and neither learns that the other uses the id. Sessions
+written before the namespaces (at the bare key, owner inside) are still found by their owner,
+saved back where they are and deleted there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from crossdraft.errors import FailedPrecondition, NotFound
+from crossdraft.redis_server import RedisServer
+from gateway.sessions import RedisSessionStore, Session, server_session_id
+
+pytestmark = pytest.mark.timeout(60)
+
+A, B = "a" * 64, "b" * 64  # owner hashes (key_owner gives sha256 hex)
+
+
+@pytest.fixture(scope="module")
+def store():
+    srv = RedisServer().start()
+    try:
+        yield RedisSessionStore(srv.url, ttl_s=60)
+    finally:
+        srv.stop()
+
+
+def test_two_keys_each_have_their_own_session_of_one_id(store):
+    a = store.create({"max_new_tokens": 4}, "chat", owner=A)
+    b = store.create({"max_new_tokens": 8}, "chat", owner=B)  # not "already exists"
+    with pytest.raises(FailedPrecondition, match="already exists"):
+        store.create({}, "chat", owner=A)  # within one key, ids are unique
+    a.text, b.text = "mine", "theirs"
+    assert store.save(a) and store.save(b)
+    assert store.get("chat", A).text == "mine" and store.get("chat", B).text == "theirs"
+    assert store.get("chat", A).options == {"max_new_tokens": 4}
+    # one lease each: a request on one key's session does not make the other's busy
+    la = store.acquire(store.get("chat", A))
+    lb = store.acquire(store.get("chat", B))
+    with pytest.raises(FailedPrecondition, match="busy"):
+        store.acquire(store.get("chat", A))
+    store.release(store.get("chat", A), la)
+    store.release(store.get("chat", B), lb)
+    # deleting one leaves the other
+    assert store.delete(store.get("chat", B))
+    with pytest.raises(NotFound):
+        store.get("chat", B)
+    assert store.get("chat", A).text == "mine"
+    # keys off (owner ""): the bare namespace, apart from both
+    with pytest.raises(NotFound):
+        store.get("chat", "")
+    store.create({}, "chat", owner="")
+    assert store.get("chat", "").text == "" and store.get("chat", A).text == "mine"
+
+
+def test_model_server_ids_differ_per_key_and_stay_valid():
+    from crossdraft.errors import check_session_id
+
+    sid = "s" * 64
+    ids = {server_session_id(sid, ""), server_session_id(sid, A), server_session_id(sid, B)}
+    assert len(ids) == 3 and server_session_id("chat", "") == "chat"
+    for x in ids:
+        check_session_id(x)  # the model servers accept it (<= 64 characters of the same alphabet)
+
+
+def test_a_session_written_before_namespaces_is_found_saved_and_deleted_in_place(store):
+    old = Session("legacy", 1.0, 1.0, options={"seed": 3}, owner=A, text="before")
+    store.r.set(store._key("legacy"), old.to_json())  # where older gateways wrote it
+    s = store.get("legacy", A)
+    assert s.text == "before"
+    with pytest.raises(NotFound):
+        store.get("legacy", B)  # still its owner's only
+    s.text = "after"
+    assert store.save(s)  # back to the same key: no copy appears in A's namespace
+    assert not store.r.exists(store._key("legacy", A))
+    assert Session.from_json(store.r.get(store._key("legacy"))).text == "after"
+    assert "_store_key" not in s.to_json()  # the store's bookkeeping is not part of the document
+    lease = store.acquire(s)
+    store.release(s, lease)
+    assert store.delete(store.get("legacy", A))
+    with pytest.raises(NotFound):
+        store.get("legacy", A)
