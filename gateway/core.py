@@ -65,6 +65,10 @@ class GatewayConfig:
     # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
     api_keys: frozenset = frozenset()
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
+    # every verifier serving the paired model at another revision this long (a rollout finished after
+    # this gateway paired the old one): /healthz turns 503 so that the orchestrator restarts the
+    # gateway, which then pairs the new revision. 0 = never
+    stale_pairing_restart_s: float = 60.0
     max_concurrent_requests: int = 256  # generations running at once; more wait in the queue
     max_queued_requests: int = 256  # generations waiting for a slot; more are refused (429 / RESOURCE_EXHAUSTED)
     queue_timeout_s: float = 30.0  # a queued generation that gets no slot in this long is refused
@@ -343,6 +347,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._ready_cache: tuple | None = None
         self.draining = False  # SIGTERM: not ready, no new generations; in-flight ones finish
+        self._stale_since: float | None = None  # since when every verifier serves another revision
         v = placement.any_client("verifier")
         self.model_name = v.info().get("model_name", "target") if v is not None else "target"
         d = placement.any_client("drafter")
@@ -413,6 +418,30 @@ class Gateway:
         with self._lock:
             self._ready_cache = (time.monotonic(), ok, details)
         return ok, details
+
+    def stale_pairing(self) -> str | None:
+        """Why this gateway should be restarted, or None: for `stale_pairing_restart_s` every verifier
+        replica has answered SERVING the paired model at another revision than the one this gateway
+        paired (a revision rollout finished after it started). A restart pairs the new revision; no
+        request could be served until then. Any replica at the paired revision, down or draining,
+        or a model of another name, is not stale: those are the readiness probe's business."""
+        limit = self.cfg.stale_pairing_restart_s
+        if not limit > 0:
+            return None
+        _, details = self.readiness()
+        states = details.get("verifiers") or {}
+        refused = [s for s in states.values() if s.startswith("REFUSED")]
+        now = time.monotonic()
+        with self._lock:
+            if not states or len(refused) < len(states):
+                self._stale_since = None
+                return None
+            if self._stale_since is None:
+                self._stale_since = now
+            since = self._stale_since
+        if now - since < limit:
+            return None
+        return f"every verifier serves another revision for {now - since:.0f} s: {refused[0][len('REFUSED ('):-1]}"
 
     def _health(self, kind: str, addr: str) -> str:
         """A model server's gRPC health status ("SERVING", "NOT_SERVING", or why it did not answer)."""

@@ -689,6 +689,13 @@ class RestApi:
 
     # ---- health and metrics ---------------------------------------------------------------------
     async def healthz(self, request: Request):
+        """Liveness: the process answers -- unless its pairing went stale (every verifier serves
+        another revision, Gateway.stale_pairing): then 503, so that the orchestrator restarts it."""
+        g = self.gw_ref()
+        if g is not None and g.cfg.stale_pairing_restart_s > 0:
+            why = await anyio.to_thread.run_sync(g.stale_pairing)
+            if why:
+                return JSONResponse({"status": "stale pairing", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request):

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)),
                    help="on SIGTERM: /readyz turns 503 and new requests get 503 at once; in-flight ones get "
                         "this long to finish before the gateway exits")
+    p.add_argument("--stale-pairing-restart-s", type=float, default=float(_env("STALE_PAIRING_RESTART_S", 60)),
+                   help="every verifier serving the paired model at another revision this long (a rollout "
+                        "finished after this gateway paired the old one): /healthz turns 503 so that the "
+                        "orchestrator restarts the gateway, which pairs the new revision; 0 = never")
     p.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 256)),
                    help="generations running at once (more wait in the queue)")
     p.add_argument("--max-queued-requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", 256)),
@@ -111,6 +115,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("max_queued_requests", f"must be >= 0, got {a.max_queued_requests}")
     if not a.drain_timeout_s >= 0:
         raise InvalidArgument("drain_timeout_s", f"must be >= 0, got {a.drain_timeout_s}")
+    if not a.stale_pairing_restart_s >= 0:
+        raise InvalidArgument("stale_pairing_restart_s", f"must be >= 0, got {a.stale_pairing_restart_s}")
     if not a.queue_timeout_s >= 0:
         raise InvalidArgument("queue_timeout_s", f"must be >= 0, got {a.queue_timeout_s}")
     for name in ("http_port", "grpc_port"):
@@ -138,6 +144,7 @@ def config_from_args(a) -> GatewayConfig:
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,
                          queue_timeout_s=a.queue_timeout_s, drain_timeout_s=a.drain_timeout_s,
+                         stale_pairing_restart_s=a.stale_pairing_restart_s,
                          api_keys=frozenset(k.strip() for k in os.environ.get("CROSSDRAFT_API_KEYS", "").split(",")
                                             if k.strip()),
                          tls=tls, upstream_tls=upstream, redis_password=_redis_password(a),

@@ -235,7 +235,8 @@ def test_admission_flags_are_checked(tmp_path):
 
     for bad, field in ((["--max-concurrent-requests", "0"], "max_concurrent_requests"),
                        (["--max-queued-requests", "-1"], "max_queued_requests"),
-                       (["--queue-timeout-s", "-2"], "queue_timeout_s")):
+                       (["--queue-timeout-s", "-2"], "queue_timeout_s"),
+                       (["--stale-pairing-restart-s", "-1"], "stale_pairing_restart_s")):
         a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x"] + bad)
         with pytest.raises(InvalidArgument) as e:
             config_from_args(a)

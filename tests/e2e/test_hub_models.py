@@ -173,3 +173,49 @@ def test_a_drafter_of_another_revision_is_not_paired(hub_pods):
     done2 = turn(sid2, paired)
     assert not done2["stats"]["drafter_fallback"] and done2["stats"]["drafted"] > 0
     assert done2["token_ids"] == done["token_ids"]  # greedy: the same tokens either way
+
+
+def test_a_gateway_left_on_the_old_revision_asks_to_be_restarted(hub_pods):
+    """A revision rollout that finishes after a gateway paired the old revision: once every verifier
+    has served the new one for stale_pairing_restart_s, /healthz (the liveness probe) turns 503 and
+    says why, so that Kubernetes restarts the gateway, which then pairs the new revision. The pool
+    is switched by hand here (as an EndpointSlice watch would switch it during the rollout)."""
+    import asyncio
+    import json
+
+    from gateway.core import GatewayConfig
+    from gateway.discovery import Pool
+    from gateway.rest import RestApi
+    from gateway.server import build_gateway
+
+    a_main, a_v1, a_d = hub_pods["main"], hub_pods["v1"], hub_pods["drafter"]
+    pool = Pool("verifier", [a_main])
+    cfg = GatewayConfig(verifier=a_main, drafter=a_d, redis_url=hub_pods["redis"].url, connect_timeout_s=60,
+                        stale_pairing_restart_s=1.0)
+    gw = build_gateway(cfg, pools=(pool, Pool("drafter", [a_d])))
+    assert gw.model_revision == C_MAIN
+    api = RestApi(lambda: gw)
+
+    def healthz():
+        r = asyncio.run(api.healthz(None))
+        return r.status_code, json.loads(r.body)
+
+    assert gw.stale_pairing() is None and healthz() == (200, {"status": "ok"})
+    pool.set([a_main, a_v1])  # mid-rollout: one replica at the paired revision is enough to stay alive
+    time.sleep(1.2)
+    assert gw.stale_pairing() is None and healthz()[0] == 200
+    pool.set([a_v1])  # the rollout finished
+    time.sleep(1.1)  # (readiness is cached for a second)
+    assert gw.stale_pairing() is None  # (not at once: a moment without the old replicas is not enough)
+    time.sleep(1.2)
+    status, body = healthz()
+    assert status == 503 and body["status"] == "stale pairing", body
+    assert C_V1 in body["reason"] and C_MAIN in body["reason"] and "another revision" in body["reason"]
+    ok, _ = gw.readiness(max_age_s=0)
+    assert not ok  # (and not ready meanwhile, as before)
+    pool.set([a_main])  # back: alive again
+    time.sleep(1.1)  # (readiness is cached for a second)
+    assert gw.stale_pairing() is None and healthz()[0] == 200
+    # a restarted gateway pairs what the verifiers serve now
+    gw2 = build_gateway(cfg, pools=(Pool("verifier", [a_v1]), Pool("drafter", [a_d])))
+    assert gw2.model_revision == C_V1 and gw2.readiness(max_age_s=0)[0] and gw2.stale_pairing() is None
