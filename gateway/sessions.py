@@ -8,6 +8,7 @@ because each write is a single SET of the whole document.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import time
 import uuid
@@ -89,9 +90,14 @@ def redact_url(url: str) -> str:
 def server_session_id(sid: str, owner: str = "") -> str:
     """The id a session has on the model servers. With API keys on, two keys may each have a session
     of the same id (each key's sessions are a namespace of their own), so the key's owner hash goes
-    into it: their caches on a verifier or drafter must never meet. At most 57 characters of the
-    session id alphabet."""
-    return sid if not owner else f"{sid[:40]}-{owner[:16]}"
+    into it: their caches on a verifier or drafter must never meet. At most 64 characters of the
+    session id alphabet, one per (owner, id): an id longer than 47 characters keeps its first 30
+    and a hash of the whole."""
+    if not owner:
+        return sid
+    if len(sid) > 47:
+        sid = f"{sid[:30]}-{hashlib.sha256(sid.encode()).hexdigest()[:16]}"
+    return f"{sid}-{owner[:16]}"
 
 
 class RedisSessionStore:

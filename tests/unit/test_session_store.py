@@ -62,7 +62,11 @@ def test_model_server_ids_differ_per_key_and_stay_valid():
     sid = "s" * 64
     ids = {server_session_id(sid, ""), server_session_id(sid, A), server_session_id(sid, B)}
     assert len(ids) == 3 and server_session_id("chat", "") == "chat"
-    for x in ids:
+    # long ids that differ only at the end stay apart (one server session per session)
+    long = ["conversation-2026-12-01-tenant-0042-user-000000000017-" + x for x in ("a", "b")]
+    ids |= {server_session_id(x, A) for x in long}
+    assert len(ids) == 5
+    for x in ids | {server_session_id("c" * 47, A), server_session_id("c" * 48, A)}:
         check_session_id(x)  # the model servers accept it (<= 64 characters of the same alphabet)
 
 
