@@ -205,7 +205,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="bench")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run every method this many times per prompt (interleaved); a prompt's row is its median run")
+                    help="run every method this many times per prompt (interleaved, target-only first and last "
+                         "in turn); a prompt's row is its median run")
     a = ap.parse_args()
     if a.smoke:
         a.prompt_set, a.max_new_tokens, a.modes, a.no_hf = "smoke", 48, "greedy", True
@@ -256,17 +257,23 @@ def main() -> None:
     base_engine.generate(warm, max_new_tokens=8)
     for e in engines.values():
         e.generate(warm, max_new_tokens=8)
+    def target_only(mode, params, seed, pi, prompt, prompt_ids):
+        res = base_engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed)
+        rec(mode, "target-only", None, pi, res.token_ids, res.stats.total_s, {})
+        if a.hf_target_only and not a.no_hf:
+            gen, secs, _ = hf_generate(target, None, prompt_ids, a.max_new_tokens, params, seed)
+            rec(mode, "hf target-only", None, pi, gen, secs, {})
+
     for pi, prompt in enumerate(prompts):
         prompt_ids = list(target.tokenizer(prompt)["input_ids"])
         print(f"prompt {pi}: {len(prompt_ids)} tokens", flush=True)
-        for mode, _rep in [(m, i) for m in a.modes.split(",") for i in range(a.repeats)]:
+        for mode, rep in [(m, i) for m in a.modes.split(",") for i in range(a.repeats)]:
             params = modes[mode]
             seed = 1000 + pi
-            res = base_engine.generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed)
-            rec(mode, "target-only", None, pi, res.token_ids, res.stats.total_s, {})
-            if a.hf_target_only and not a.no_hf:
-                gen, secs, _ = hf_generate(target, None, prompt_ids, a.max_new_tokens, params, seed)
-                rec(mode, "hf target-only", None, pi, gen, secs, {})
+            # repeats alternate the order (target-only first, then last): a method that always runs
+            # second would carry any drift of the machine within the pair
+            if rep % 2 == 0:
+                target_only(mode, params, seed, pi, prompt, prompt_ids)
             for name, d in drafters.items():
                 if not a.no_hf:
                     try:
@@ -280,6 +287,8 @@ def main() -> None:
                 s = res.stats
                 rec(mode, "crossdraft", name, pi, res.token_ids, s.total_s,
                     {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, "resyncs": s.resyncs})
+            if rep % 2 == 1:
+                target_only(mode, params, seed, pi, prompt, prompt_ids)
         # fidelity for sampling rows, computed after timing
         for key, r in rows.items():
             if key[0] == "sample":
