@@ -389,7 +389,7 @@ def test_sessions_belong_to_the_api_key_that_created_them(stack, tmp_path):
         # the same id under the other key: a session of its own (each key's ids are a namespace), not
         # 409 -- which would tell k2 that some other key uses that id
         r = requests.post(http + "/v1/sessions", json={"session_id": sid, "max_tokens": 4}, headers=k2, timeout=30)
-        assert r.status_code == 200 and r.json()["session_id"] == sid, r.text
+        assert r.status_code == 201 and r.json()["session_id"] == sid, r.text
         r = requests.post(http + "/v1/sessions", json={"session_id": sid}, headers=k1, timeout=30)
         assert r.status_code == 409  # (k1's own id is taken, in k1's namespace)
         r = requests.post(http + "/v1/completions", json={"prompt": "Another text entirely.", "session_id": sid},
