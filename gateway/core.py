@@ -424,24 +424,29 @@ class Gateway:
         replica has answered SERVING the paired model at another revision than the one this gateway
         paired (a revision rollout finished after it started). A restart pairs the new revision; no
         request could be served until then. Any replica at the paired revision, down or draining,
-        or a model of another name, is not stale: those are the readiness probe's business."""
+        or a model of another name, is not stale: those are the readiness probe's business.
+
+        It reads what the latest readiness check found (the readiness probe runs one every few
+        seconds) and calls no model server itself: the liveness probe that asks must never wait on,
+        or fail because of, a slow verifier."""
         limit = self.cfg.stale_pairing_restart_s
-        if not limit > 0:
-            return None
-        _, details = self.readiness()
-        states = details.get("verifiers") or {}
-        refused = [s for s in states.values() if s.startswith("REFUSED")]
-        now = time.monotonic()
         with self._lock:
+            cached = self._ready_cache
+            if not limit > 0 or cached is None:
+                return None
+            checked, details = cached[0], cached[2]
+            states = details.get("verifiers") or {}
+            refused = [s for s in states.values() if s.startswith("REFUSED")]
             if not states or len(refused) < len(states):
                 self._stale_since = None
                 return None
             if self._stale_since is None:
-                self._stale_since = now
+                self._stale_since = checked
             since = self._stale_since
-        if now - since < limit:
+        if checked - since < limit:
             return None
-        return f"every verifier serves another revision for {now - since:.0f} s: {refused[0][len('REFUSED ('):-1]}"
+        return (f"every verifier has served another revision for {checked - since:.0f} s: "
+                f"{refused[0][len('REFUSED ('):-1]}")
 
     def _health(self, kind: str, addr: str) -> str:
         """A model server's gRPC health status ("SERVING", "NOT_SERVING", or why it did not answer)."""

@@ -200,22 +200,25 @@ def test_a_gateway_left_on_the_old_revision_asks_to_be_restarted(hub_pods):
         r = asyncio.run(api.healthz(None))
         return r.status_code, json.loads(r.body)
 
-    assert gw.stale_pairing() is None and healthz() == (200, {"status": "ok"})
+    def probe():  # the readiness probe (every few seconds in a pod): the check liveness then reads
+        return gw.readiness(max_age_s=0)[0]
+
+    assert healthz() == (200, {"status": "ok"})  # nothing checked yet: nothing to say
+    assert probe() and gw.stale_pairing() is None and healthz() == (200, {"status": "ok"})
     pool.set([a_main, a_v1])  # mid-rollout: one replica at the paired revision is enough to stay alive
+    assert not probe() and gw.stale_pairing() is None
     time.sleep(1.2)
-    assert gw.stale_pairing() is None and healthz()[0] == 200
+    assert not probe() and healthz()[0] == 200
     pool.set([a_v1])  # the rollout finished
-    time.sleep(1.1)  # (readiness is cached for a second)
-    assert gw.stale_pairing() is None  # (not at once: a moment without the old replicas is not enough)
+    assert not probe() and gw.stale_pairing() is None  # (not at once: a moment without them is not enough)
     time.sleep(1.2)
+    assert healthz()[0] == 200  # (liveness only reads the last check: it never calls a verifier itself)
+    assert not probe()
     status, body = healthz()
     assert status == 503 and body["status"] == "stale pairing", body
     assert C_V1 in body["reason"] and C_MAIN in body["reason"] and "another revision" in body["reason"]
-    ok, _ = gw.readiness(max_age_s=0)
-    assert not ok  # (and not ready meanwhile, as before)
     pool.set([a_main])  # back: alive again
-    time.sleep(1.1)  # (readiness is cached for a second)
-    assert gw.stale_pairing() is None and healthz()[0] == 200
+    assert probe() and gw.stale_pairing() is None and healthz()[0] == 200
     # a restarted gateway pairs what the verifiers serve now
     gw2 = build_gateway(cfg, pools=(Pool("verifier", [a_v1]), Pool("drafter", [a_d])))
     assert gw2.model_revision == C_V1 and gw2.readiness(max_age_s=0)[0] and gw2.stale_pairing() is None
