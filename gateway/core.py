@@ -417,7 +417,19 @@ class Gateway:
                 ok = False
         with self._lock:
             self._ready_cache = (time.monotonic(), ok, details)
+        self.forget_gone_pods()  # (the readiness probe runs this every few seconds)
         return ok, details
+
+    def forget_gone_pods(self) -> list[tuple[str, str]]:
+        """Close the connections to pods that left their pool (Placement.prune) and drop the decoders
+        paired with them; returns the (kind, address) forgotten."""
+        gone = set(self.placement.prune())
+        if gone:
+            with self._lock:
+                for key in [k for k in self._decoders
+                            if ("verifier", k[0]) in gone or (k[1] is not None and ("drafter", k[1]) in gone)]:
+                    del self._decoders[key]
+        return sorted(gone)
 
     def stale_pairing(self) -> str | None:
         """Why this gateway should be restarted, or None: for `stale_pairing_restart_s` every verifier

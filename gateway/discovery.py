@@ -5,11 +5,14 @@ static (``--verifier a:1,b:2``); inside, :class:`EndpointSliceWatcher` keeps it 
 EndpointSlices of the kind's headless Service (official ``kubernetes`` client: list, then watch,
 re-listing when the watch expires). :class:`Placement` sends a new session to the least-loaded
 ready pod, keeps later rounds on the pod recorded for the session (its KV cache lives there), and
-moves the session when that pod is gone -- the new pod rebuilds the cache from the history.
+moves the session when that pod is gone -- the new pod rebuilds the cache from the history. The
+connection to a pod that left its pool is closed once no call uses it (:meth:`Placement.prune`):
+pods come and go with every rollout, and a gateway must not keep a channel per address it ever saw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -170,11 +173,16 @@ class EndpointSliceWatcher:
 class Placement:
     """Chooses drafter/verifier pods per session and keeps a client per pod."""
 
+    # how long a pod must have been out of its pool before its client is closed (if no call is on it):
+    # a request that chose the pod just before it left gets to start its calls
+    gone_grace_s = 60.0
+
     def __init__(self, verifiers: Pool, drafters: Pool | None, make_verifier, make_drafter):
         self.pools = {"verifier": verifiers, "drafter": drafters}
         self.make = {"verifier": make_verifier, "drafter": make_drafter}
         self.clients: dict[tuple[str, str], object] = {}
         self.inflight: dict[tuple[str, str], int] = defaultdict(int)
+        self._gone_since: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
     def client(self, kind: str, addr: str):
@@ -208,6 +216,34 @@ class Placement:
         if addr:
             with self._lock:
                 self.inflight[(kind, addr)] = max(0, self.inflight[(kind, addr)] - 1)
+
+    def prune(self, now: float | None = None) -> list[tuple[str, str]]:
+        """Close and forget the clients of pods that have been out of their pool for ``gone_grace_s``
+        with no call in flight; returns their (kind, address). A pod that comes back later (same
+        address) gets a new client. Sessions recorded on a gone pod move when they next run."""
+        now = time.monotonic() if now is None else now
+        live = {kind: set(p.addresses()) for kind, p in self.pools.items() if p is not None}
+        dropped = []
+        with self._lock:
+            for key in list(self.clients):
+                kind, addr = key
+                if kind not in live or addr in live[kind]:
+                    self._gone_since.pop(key, None)
+                    continue
+                since = self._gone_since.setdefault(key, now)
+                if self.inflight.get(key, 0) > 0 or now - since < self.gone_grace_s:
+                    continue
+                dropped.append((key, self.clients.pop(key)))
+                self._gone_since.pop(key, None)
+            for key in [k for k, n in self.inflight.items() if n <= 0 and k not in self.clients]:
+                del self.inflight[key]  # (choose() reads the counts of every address it sees)
+        for (kind, addr), c in dropped:
+            log.info("%s %s left the pool: its connection is closed", kind, addr)
+            close = getattr(c, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        return [key for key, _ in dropped]
 
     def any_client(self, kind: str, timeout_s: float = 0.0):
         pool = self.pools[kind]

@@ -93,3 +93,47 @@ def test_session_follows_its_pod_then_moves_when_it_is_gone(pods):
     assert gw.get_session(sid).verifier_address == other
     assert out["stats"]["reused_target_tokens"] == 0
     assert out["text"] == ref2["text"]  # same continuation (same seed and history)
+
+
+def test_connections_to_pods_that_left_are_closed_once_unused(pods):
+    """Every rollout gives pods new addresses: the gateway closes its channel to a pod that left
+    (after a grace period, never under a call in flight) and drops the decoders paired with it."""
+    from gateway.core import GatewayConfig
+    from gateway.server import build_gateway
+
+    redis, (a1, a2), da = pods
+    vpool, dpool = Pool("verifier"), Pool("drafter")
+    vw = EndpointSliceWatcher(vpool, "llm", "crossdraft-verifier", api=object())
+    dw = EndpointSliceWatcher(dpool, "llm", "crossdraft-drafter", api=object())
+    vw.apply("ADDED", endpoint_slice("v-1", [a1], "1"))
+    dw.apply("ADDED", endpoint_slice("d-1", [da], "2"))
+    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes",
+                        verifier_service="crossdraft-verifier", drafter_service="crossdraft-drafter",
+                        connect_timeout_s=60)
+    gw = build_gateway(cfg, pools=(vpool, dpool))
+    gw.placement.gone_grace_s = 0.0
+    sid = gw.create_session({"max_new_tokens": 6, "seed": 1}).session_id
+    list(gw.start(session_id=sid, prompt="def add(a, b):", messages=None, options={}).events())
+    assert gw.get_session(sid).verifier_address == a1
+    old = gw.placement.clients[("verifier", a1)]
+    assert (a1, da) in gw._decoders
+    # a request is placed on a1, then a1's pod leaves (a rollout) and a2 comes in
+    job = gw.start(session_id=None, prompt="def sub(a, b):", messages=None, options={"max_new_tokens": 6})
+    assert job.v_addr == a1
+    vw.apply("DELETED", endpoint_slice("v-1", [], "3"))
+    vw.apply("ADDED", endpoint_slice("v-2", [a2], "4"))
+    assert gw.forget_gone_pods() == []  # a call is in flight on a1: its channel stays
+    out = list(job.events())[-1]
+    assert out["finish_reason"] and out["usage"]["completion_tokens"] >= 1
+    gone = gw.forget_gone_pods()
+    assert gone == [("verifier", a1)]
+    assert ("verifier", a1) not in gw.placement.clients and (a1, da) not in gw._decoders
+    with pytest.raises(ValueError):  # the old channel is closed
+        old.info(refresh=True)
+    assert ("drafter", da) in gw.placement.clients  # the drafter stayed
+    # the session moves to a2 and continues; a pod back at a1's address gets a new connection
+    again = list(gw.start(session_id=sid, prompt="\n", messages=None, options={}).events())[-1]
+    assert gw.get_session(sid).verifier_address == a2 and again["text"] is not None
+    vw.apply("ADDED", endpoint_slice("v-1", [a1], "5"))
+    new = gw.placement.client("verifier", a1)
+    assert new is not old and new.info(refresh=True)["model_name"] == old.info()["model_name"]

@@ -131,3 +131,44 @@ def test_placement_least_loaded_affinity_and_move():
     assert pl.client("verifier", "a:1") == "client-a:1" and pl.client("verifier", "a:1") == "client-a:1"
     assert made == ["a:1"]  # one client per pod
     assert pl.choose("drafter", None) == (None, False)  # no drafter pool: target-only
+
+
+class _PodClient:
+    """Stands in for the gRPC client of one pod: this test checks Placement's bookkeeping only (the
+    e2e test in tests/e2e/test_placement.py does it with real model servers)."""
+
+    def __init__(self, addr):
+        self.addr, self.closed = addr, False
+
+    def close(self):
+        self.closed = True
+
+
+def test_placement_closes_the_clients_of_pods_that_left():
+    vpool, dpool = Pool("verifier", ["a:1", "b:1"]), Pool("drafter", ["d:1"])
+    pl = Placement(vpool, dpool, _PodClient, _PodClient)
+    pl.gone_grace_s = 10.0
+    a, b, d = pl.client("verifier", "a:1"), pl.client("verifier", "b:1"), pl.client("drafter", "d:1")
+    pl.acquire("verifier", "b:1")  # a call is on b
+    vpool.set(["c:1"])  # a and b leave
+    assert pl.prune(now=100.0) == [] and pl.prune(now=109.0) == []  # within the grace period
+    assert pl.prune(now=110.0) == [("verifier", "a:1")]
+    assert a.closed and not b.closed and not d.closed
+    assert ("verifier", "a:1") not in pl.clients and ("verifier", "a:1") not in pl.inflight
+    assert pl.prune(now=500.0) == []  # b's call is still in flight
+    pl.release("verifier", "b:1")
+    assert pl.prune(now=501.0) == [("verifier", "b:1")] and b.closed
+    assert set(pl.clients) == {("drafter", "d:1")}  # the drafter never left
+    # a pod that comes back at the same address gets a new client
+    vpool.set(["a:1"])
+    a2 = pl.client("verifier", "a:1")
+    assert a2 is not a and not a2.closed and pl.prune(now=600.0) == []
+    # back within the grace period: the clock starts over when it leaves again
+    vpool.set([])
+    assert pl.prune(now=700.0) == []
+    vpool.set(["a:1"])
+    assert pl.prune(now=705.0) == []
+    vpool.set([])
+    assert pl.prune(now=712.0) == [] and not a2.closed
+    assert pl.prune(now=722.0) == [("verifier", "a:1")] and a2.closed
+    assert pl.choose("verifier", "a:1") == (None, True)
