@@ -368,6 +368,9 @@ class Decoder:
             if req.policy.confident:
                 req.k = req.policy.hi
         pol = req.policy
+        # what a first block's drafter forward feeds: the prompt (a session's later request finds
+        # most of its history cached on the drafter)
+        feed = len(req.d.ids) if req.spec and round_index == 0 else 1
         if req.spec and pol.measured and req.draft.adaptive and req.draft.allow_skip:
             # the load: what the latest rounds saw, at least the requests in this loop now
             pol.batch = max(self._load, float(self._running))
@@ -381,7 +384,7 @@ class Decoder:
                 # drafting does not pay at this load: start target-only (the policy probes later).
                 # Alone, the first block still drafts: it measures this text's acceptance.
                 req.k = 0
-            elif not pol.worth_probing(req.max_new_tokens, len(req.d.ids) if round_index == 0 else 1):
+            elif not pol.worth_probing(req.max_new_tokens, feed):
                 # a pair near its break-even, or a short completion: even text the drafter gets right
                 # would not win back the first block's cost, the drafter's prefill of the prompt
                 # included (a session's later requests find most of it cached); the policy probes
@@ -390,6 +393,7 @@ class Decoder:
                 pol.interval = pol.wait = pol.probe_pace()
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
+            pol.unfed = feed  # (and a probe's cost counts that feed)
         elif req.spec:
             self._sync_drafter(req)
 

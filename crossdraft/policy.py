@@ -130,6 +130,7 @@ class DraftPolicy:
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
         self.skipped = 0
+        self.unfed = 0  # rounds since the drafter was last fed (a probe's first forward catches them up)
         self.interval = self.wait = self.probe_every
         self.probing = False
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
@@ -310,6 +311,7 @@ class DraftPolicy:
                 # re-read every round, and once it falls the usual probe pace starts over
                 self.probing = False
                 self.skipped += 1
+                self.unfed += 1
                 self.interval = self.wait = self.probe_every
                 return 0
             if self.probing:  # the probe just verified did not pay: wait longer before the next one
@@ -321,17 +323,25 @@ class DraftPolicy:
                 self.interval = self.wait = max(self.interval, self.probe_pace())
             self.probing = False
             self.skipped += 1
+            self.unfed += 1
             self.wait -= 1
-            if self.wait <= 0 and not self.worth_probing(remaining, self.skipped):
+            if self.wait <= 0 and not self.worth_probing(remaining, self.unfed):
                 self.wait = self.interval  # too few tokens left for a probe to pay back its cost
             if self.wait <= 0:
                 # the text may have changed since alpha was last measured: let the probe's own
                 # outcome dominate (a light, pessimistic prior of weight 1) instead of nudging a stale estimate
                 self.probing = True
+                self.unfed = 0
                 self.succ, self.trials = 0.3, 1.0
                 return self.hi if self.confident else min(self.hi, max(cfg.min_draft_tokens, 2))
             return 0
-        self.skipped = 0
+        if self.unfed > 1 and not self.worth_probing(remaining, self.unfed):
+            # drafting would pay, but the drafter has rounds (or, where the request started without
+            # it, the prompt) to catch up on first, and too few tokens are left to win that back
+            self.skipped += 1
+            self.unfed += 1
+            return 0
+        self.skipped = self.unfed = 0
         self.probing = False
         self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
         return self.hi if self.confident else best

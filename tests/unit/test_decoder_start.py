@@ -156,3 +156,36 @@ def test_a_short_completion_on_a_pair_near_its_break_even_gets_no_first_block(en
     assert ev.requested == 0 and ev.drafted == 0 and synced == [] and drafts == 0  # no block, not even the prompt
     ev, synced, drafts = first_round(int(need) + 2)
     assert ev.requested > 0 and synced == [d_ids] and drafts == 1  # long enough: the first block drafts
+
+
+def test_a_request_that_starts_without_the_drafter_prices_the_prompt_into_its_probes(eng, monkeypatch):
+    """A request whose first block was not worth it never gave the drafter its prompt: a later
+    probe's first forward feeds the prompt plus every round since, and its price says so (a probe
+    after an earlier one feeds only the rounds since that one: DraftPolicy.unfed)."""
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    d_ids = eng.pair.encode_drafter(PROMPT)
+    feeds: list[int] = []
+    real = DraftPolicy.worth_probing
+
+    def spy(self, remaining, feed=1):
+        feeds.append(feed)
+        # the start's check says no (as for a short completion); later ones answer for real
+        return real(self, remaining, feed) if len(feeds) > 1 else False
+
+    monkeypatch.setattr(DraftPolicy, "worth_probing", spy)
+    monkeypatch.setattr(DraftPolicy, "probe_pace", lambda self: 6)
+    out = eng.generate(PROMPT, max_new_tokens=40)
+    assert feeds[0] == len(d_ids)  # the start: the prompt
+    # the next round's check (the acceptance prior says drafting pays): the prompt still, plus
+    # one token per round skipped since
+    assert len(feeds) > 1 and feeds[1] >= len(d_ids), feeds
+    assert out.stats.drafted > 0 and eng.counting.syncs[0][:len(d_ids)] == d_ids
+    # with too few tokens left for that catch-up, the request never drafts
+    feeds.clear()
+    eng.counting.syncs.clear()
+    eng.counting.drafts = 0
+    monkeypatch.setattr(DraftPolicy, "probe_value", 1e6)
+    out = eng.generate(PROMPT, max_new_tokens=40)
+    assert out.stats.drafted == 0 and eng.counting.syncs == [] and eng.counting.drafts == 0
+    assert len(feeds) > 2 and all(f >= len(d_ids) for f in feeds), feeds

@@ -335,3 +335,18 @@ def test_static_costs_probe_as_before_whatever_is_left():
     a = _run_left(DraftPolicy(DraftConfig(), 0.72), 120, lambda k: 0)
     b = _run(DraftPolicy(DraftConfig(), 0.72), 120, lambda k: 0)
     assert a == b and DraftPolicy(DraftConfig(), 0.72).probe_pace() == DraftPolicy.probe_every
+
+
+def test_a_later_probe_prices_only_what_the_drafter_missed_since_the_last_one():
+    """After a probe the drafter holds the text up to it: the next probe's first forward feeds the
+    rounds since then, not every round since drafting last paid. With a CPU-like drafter table
+    (that forward grows with its tokens) a long request at zero acceptance keeps probing at its
+    pace until the rest could not pay a probe back."""
+    p = DraftPolicy(DraftConfig(), 0.5, verify_costs=FLAT_TABLE, drafter_costs=CPU_TABLE, measured=True)
+    ks = _run_left(p, 400, lambda k: 0)
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    assert all(b - a <= DraftPolicy.max_probe_every for a, b in zip(probes, probes[1:])), probes
+    last_worth = max(i for i in range(400) if p.worth_probing(400 - i - 1, DraftPolicy.max_probe_every))
+    assert probes[-1] > last_worth - DraftPolicy.max_probe_every, (probes, last_worth)
+    # (pricing every skipped round, the probes stopped ~100 rounds before: 248 of 400)
+    assert probes[-1] > 300
