@@ -466,8 +466,12 @@ class Decoder:
         else:
             stats.verify_s += res.forward_s
             if req.spec:
-                # how many sessions share the verifier's forwards (its recent senders; else this batch's rows)
-                load = getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1
+                # how many sessions share the verifier's forwards (its recent senders; else this batch's
+                # rows), and at least the requests in this loop now: each sends the verifier rows
+                # whenever it is not waiting on the drafter. (A session that waits long on a busy
+                # drafter drops out of the verifier's count of recent senders, and pricing with the
+                # smaller count had more sessions draft -- seen: 16 clients at 0.53x of target-only.)
+                load = max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running)
                 req.policy.observe_batch(load)
                 self._load = req.policy.batch
                 # wall-clock corrections (measured costs only). A block after skipped rounds first
@@ -477,7 +481,11 @@ class Decoder:
                 steps, dsec = len(toks), draft_wall
                 if not req.prev_drafted:  # (the drafter's own times of its later steps)
                     steps, dsec = max(0, len(toks) - 1), sum(t.forward_s for t in toks[1:])
-                req.policy.observe_time(steps, dsec, kd + 1, verify_wall, req.step_s)
+                # the verification's own time: its wait in the verifier's queue (for other sessions'
+                # forwards) is not a cost of this block's size, and read as one it made the target
+                # look slow and drafting cheap under load
+                vsec = max(1e-6, verify_wall - getattr(res, "queue_wait_s", 0.0))
+                req.policy.observe_time(steps, dsec, kd + 1, vsec, req.step_s)
                 if req.policy.measured:
                     self._scales[req.mode] = (req.policy.scale_d, req.policy.scale_v)
         req.prev_drafted = len(drafted.tokens) > 0
