@@ -26,6 +26,25 @@ def endpoint_slice(name: str, addrs: list[str], rv: str) -> client.V1EndpointSli
                                   endpoints=eps, ports=[client.DiscoveryV1EndpointPort(name="grpc", port=port)])
 
 
+def watched_gateway(redis, verifiers: list[str], drafter: str):
+    """A gateway core whose pools follow EndpointSlice events (one slice per verifier pod, v-1, v-2,
+    ...; the drafter in d-1) as a Kubernetes API server would send them; (gateway, verifier watcher,
+    verifier pool)."""
+    from gateway.core import GatewayConfig
+    from gateway.server import build_gateway
+
+    vpool, dpool = Pool("verifier"), Pool("drafter")
+    vw = EndpointSliceWatcher(vpool, "llm", "crossdraft-verifier", api=object())
+    dw = EndpointSliceWatcher(dpool, "llm", "crossdraft-drafter", api=object())
+    for i, a in enumerate(verifiers):
+        vw.apply("ADDED", endpoint_slice(f"v-{i + 1}", [a], str(i + 1)))
+    dw.apply("ADDED", endpoint_slice("d-1", [drafter], str(len(verifiers) + 1)))
+    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes",
+                        verifier_service="crossdraft-verifier", drafter_service="crossdraft-drafter",
+                        connect_timeout_s=60)
+    return build_gateway(cfg, pools=(vpool, dpool)), vw, vpool
+
+
 @pytest.fixture(scope="module")
 def pods(tiny_dirs, tmp_path_factory):
     t_dir, d_dir = tiny_dirs
@@ -47,22 +66,10 @@ def pods(tiny_dirs, tmp_path_factory):
 
 
 def test_session_follows_its_pod_then_moves_when_it_is_gone(pods):
-    from gateway.core import GatewayConfig
-    from gateway.server import build_gateway
-
     redis, (a1, a2), da = pods
-    vpool, dpool = Pool("verifier"), Pool("drafter")
     # each pod in its own slice (one can go away alone); all on 127.0.0.1, distinct ports
-    vw = EndpointSliceWatcher(vpool, "llm", "crossdraft-verifier", api=object())
-    dw = EndpointSliceWatcher(dpool, "llm", "crossdraft-drafter", api=object())
-    vw.apply("ADDED", endpoint_slice("v-1", [a1], "1"))
-    vw.apply("ADDED", endpoint_slice("v-2", [a2], "2"))
-    dw.apply("ADDED", endpoint_slice("d-1", [da], "3"))
+    gw, vw, vpool = watched_gateway(redis, [a1, a2], da)
     assert vpool.addresses() == sorted([a1, a2])
-    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes",
-                        verifier_service="crossdraft-verifier", drafter_service="crossdraft-drafter",
-                        connect_timeout_s=60)
-    gw = build_gateway(cfg, pools=(vpool, dpool))
 
     def turn(sid, prompt):
         job = gw.start(session_id=sid, prompt=prompt, messages=None, options={})
@@ -98,19 +105,8 @@ def test_session_follows_its_pod_then_moves_when_it_is_gone(pods):
 def test_connections_to_pods_that_left_are_closed_once_unused(pods):
     """Every rollout gives pods new addresses: the gateway closes its channel to a pod that left
     (after a grace period, never under a call in flight) and drops the decoders paired with it."""
-    from gateway.core import GatewayConfig
-    from gateway.server import build_gateway
-
     redis, (a1, a2), da = pods
-    vpool, dpool = Pool("verifier"), Pool("drafter")
-    vw = EndpointSliceWatcher(vpool, "llm", "crossdraft-verifier", api=object())
-    dw = EndpointSliceWatcher(dpool, "llm", "crossdraft-drafter", api=object())
-    vw.apply("ADDED", endpoint_slice("v-1", [a1], "1"))
-    dw.apply("ADDED", endpoint_slice("d-1", [da], "2"))
-    cfg = GatewayConfig(verifier=None, redis_url=redis.url, discovery="kubernetes",
-                        verifier_service="crossdraft-verifier", drafter_service="crossdraft-drafter",
-                        connect_timeout_s=60)
-    gw = build_gateway(cfg, pools=(vpool, dpool))
+    gw, vw, _ = watched_gateway(redis, [a1], da)
     gw.placement.gone_grace_s = 0.0
     sid = gw.create_session({"max_new_tokens": 6, "seed": 1}).session_id
     list(gw.start(session_id=sid, prompt="def add(a, b):", messages=None, options={}).events())
