@@ -33,7 +33,7 @@ from crossdraft.policy import DraftConfig, DraftPolicy  # noqa: E402
 
 
 def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: list[float],
-           confident: bool = True) -> dict:
+           confident: bool = True, carry: dict | None = None) -> dict:
     """One generation replayed: the policy as the round loop drives it (decode.py), greedy,
     measured costs that match their predictions exactly. Returns speedup, drafted, accepted, rounds."""
     match, conf = trace["match"], trace["conf"]
@@ -42,6 +42,8 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
     v = [x / target_ms[0] for x in target_ms]
     pol = DraftPolicy(cfg, c, verify_costs=target_ms, measured=True, drafter_costs=drafter_ms)
     pol.confident = confident and cfg.adaptive
+    if carry:  # what the decoder carries from one request to the next (the probes' record)
+        pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n = carry["probes"]
     k = pol.hi if pol.confident else cfg.num_draft_tokens
     # as the round loop starts a request (crossdraft.decode.Decoder._start), one session alone (the
     # traces do not record the prompt's length: its drafter prefill is priced as one token)
@@ -68,11 +70,14 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
         i += n + 1
         if i < n_tok:
             k = pol.next_k(n_tok - i)
+    if carry is not None:
+        carry["probes"] = (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n)
     return {"speedup": n_tok / cost, "drafted": drafted, "accepted": accepted, "rounds": rounds}
 
 
 def summary(traces: list[dict], cfg: DraftConfig, drafter_ms, target_ms, confident=True) -> dict:
-    rs = [replay(t, cfg, drafter_ms, target_ms, confident) for t in traces]
+    carry: dict = {}  # the traces one after the other, as one decoder serves them
+    rs = [replay(t, cfg, drafter_ms, target_ms, confident, carry) for t in traces]
     return {"gmean": statistics.geometric_mean([r["speedup"] for r in rs]),
             "min": min(r["speedup"] for r in rs), "runs": rs,
             "drafted": sum(r["drafted"] for r in rs), "accepted": sum(r["accepted"] for r in rs)}

@@ -239,6 +239,9 @@ class Decoder:
         # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
         # rounds corrected them: a new request starts from there instead of from the cost tables
         self._scales: dict[str, tuple[float, float]] = {}
+        # and how often probes found text that pays, what a failed one drafted (DraftPolicy.hit_s,
+        # hit_n, probe_sum, probe_n): a pair's drafter gets text right more or less often
+        self._probes: dict[str, tuple[float, float, float, float]] = {}
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -271,6 +274,8 @@ class Decoder:
         pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt)
         if pol.measured and mode in self._scales:
             pol.scale_d, pol.scale_v = self._scales[mode]
+        if pol.measured and mode in self._probes:
+            pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n = self._probes[mode]
         return pol, step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed, top_logprobs=-1):
@@ -503,6 +508,9 @@ class Decoder:
         if not done and req.spec:
             self._commit_drafter(req, drafted, n, res.next_token)
             req.k = req.policy.next_k(req.max_new_tokens - len(req.gen))
+            pol = req.policy
+            if pol.measured and kd > 0:
+                self._probes[req.mode] = (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n)
         overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
         stats.overhead_s += overhead
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,

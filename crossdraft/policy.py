@@ -103,11 +103,14 @@ class DraftPolicy:
     decay = 0.85
     probe_every = 6
     max_probe_every = 48
-    # measured costs: a probe (and a request's first block) is sent only where finding the text
-    # draftable could save this many times the probe's own cost (see worth_probing)
-    probe_value = 4.0
+    # measured costs: a probe (and a request's first block) is sent only where what it could win,
+    # weighed by how often recent probes found text that pays, beats what it costs when it fails
+    # (see probe_odds and worth_probing). hit_prior: (hits, probes) before any probe is seen
+    hit_prior = (1.0, 3.0)  # 1 in 3
+    hit_decay = 0.8
     margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
     time_decay = 0.8
+    probe_decay = 0.6
     batch_decay = 0.7
     # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
     # while another process computed on the same cores (seen: a drafter step timed 22x too slow)
@@ -139,11 +142,30 @@ class DraftPolicy:
         # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
         # Chinese character the Qwen target has as one token in 2-3 byte tokens); 1 in TLI mode
         self.step_sum, self.tok_sum = 1.0, 1.0
+        # tokens a probe block drafts where it fails (exponentially weighted over the probes and first
+        # blocks not accepted in full): a confident block runs until the drafter doubts, so what a
+        # failed probe costs depends on how sure the drafter is of text it gets wrong -- seen 1-4
+        # tokens. Prior: 3 tokens
+        self.probe_sum, self.probe_n = 3.0, 1.0
+        self.first = True  # the next observed block is the request's first (a probe of the text too)
+        # probes (and first blocks) after which drafting paid, of all (exponentially weighted; the
+        # decoder carries it over its requests in measured mode: a pair's drafter finds text it gets
+        # right more or less often)
+        self.hit_s, self.hit_n = self.hit_prior
+        self.judge = False  # the block just observed was a probe: next_k scores its outcome
+        self.whole = False  # (and it was accepted in full)
 
     def alpha(self) -> float:
         return min(0.98, max(0.02, self.succ / self.trials))
 
     def observe(self, k: int, n: int) -> None:
+        if k > 0 and (self.probing or self.first):
+            self.judge, self.whole = True, n == k
+            if n < k:  # (a probe accepted in full lost nothing)
+                d = self.probe_decay
+                self.probe_sum = d * self.probe_sum + k
+                self.probe_n = d * self.probe_n + 1
+        self.first = False
         if k > 0:
             d = self.decay
             self.succ = d * self.succ + n
@@ -246,16 +268,26 @@ class DraftPolicy:
         finally:
             self.succ, self.trials = saved
 
+    def probe_len(self) -> float:
+        """Tokens a probe block is expected to draft: in confident mode the mean of the recent probes'
+        (and first blocks') drafted tokens, within [1, hi]; otherwise the probe's fixed block."""
+        if self.confident:
+            return min(float(self.hi), max(1.0, self.probe_sum / self.probe_n))
+        return float(min(self.hi, max(self.cfg.min_draft_tokens, 2)))
+
     def probe_cost(self, feed: int = 1) -> float:
-        """What a probe costs, in target decoding steps: the drafter forward that feeds the `feed`
-        tokens it has not seen (a request's prompt for its first block, the skipped rounds' tokens
-        for a probe) and proposes the first token, the further steps one drafted target token takes
-        (text mode), and a verification one token longer. A block the drafter doubts ends there."""
+        """What a probe costs, in target decoding steps, if none of it is accepted: the drafter
+        forward that feeds the `feed` tokens it has not seen (a request's prompt for its first block,
+        the skipped rounds' tokens for a probe) and proposes the first token, the steps for the rest
+        of the block (:meth:`probe_len` tokens; more steps per token in text mode), and the
+        verification that much longer. (Pricing one drafted token underpriced probes ~3x on a CPU
+        in fp32, where verifying 3-5 tokens costs 2-3 decoding steps.)"""
         b = self.batch if self.measured else 1.0
         sv, vb = self.scale_v, self.vcost(b)
-        steps = self.dcost(max(1, feed)) + self.steps_per_token() - 1.0
+        n = self.probe_len()
+        steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
         drafter = self.c * self.scale_d * self.dcost(b) * steps
-        return (drafter + sv * max(0.0, self.vcost(2 * b) - vb)) / (sv * vb)
+        return (drafter + sv * max(0.0, self.vcost(b * (n + 1)) - vb)) / (sv * vb)
 
     def saving(self, alpha: float = 0.9) -> float:
         """The share of a target step per generated token that drafting would save at a high
@@ -268,28 +300,35 @@ class DraftPolicy:
             self.succ, self.trials = saved
         return max(0.0, 1.0 - 1.0 / best)
 
+    def probe_odds(self) -> float:
+        """How many failed probes one that finds text worth drafting must pay for: (1 - h) / h, h the
+        recent probes' hit rate (exponentially weighted, prior ``hit_prior``; within [0.03, 0.9])."""
+        h = min(0.9, max(0.03, self.hit_s / self.hit_n))
+        return (1.0 - h) / h
+
     def worth_probing(self, remaining: int | None, feed: int = 1) -> bool:
-        """Measured costs: whether `remaining` tokens leave room for a probe to pay -- drafting them
-        all at 90% acceptance would save `probe_value` times the probe's cost. A pair near its
-        break-even (smollm2-135m for gemma3-270m: 7% at best, a probe ~1 target step) then drafts a
-        64-token completion's first block and nothing after it; the default pair (~50%) probes
-        until the last few tokens. None (unknown) and static costs: always; and a drafter that could
-        not pay even at 90% acceptance keeps its rare probes (every ``max_probe_every`` rounds): they
-        are what corrects a cost table measured wrong (one timed on a busy machine)."""
+        """Measured costs: whether `remaining` tokens leave room for a probe to pay: drafting them all
+        at 90% acceptance would save more than the probe costs when it fails, times the odds against
+        its finding such text (:meth:`probe_odds`, from how often recent probes did). A pair near
+        its break-even (smollm2-135m for gemma3-270m: 7% at best) then drafts little in a 64-token
+        completion; the default pair (~50%) probes until the last few tokens. None (unknown) and
+        static costs: always; and a drafter that could not pay even at 90% acceptance keeps its rare
+        probes (every ``max_probe_every`` rounds): they are what corrects a cost table measured
+        wrong (one timed on a busy machine)."""
         if remaining is None or not self.measured or not self.could_pay():
             return True
-        return remaining * self.saving() >= self.probe_value * self.probe_cost(feed)
+        return remaining * self.saving() >= self.probe_odds() * self.probe_cost(feed)
 
     def probe_pace(self) -> int:
         """The probes' shortest interval in rounds (measured costs): long enough that the rounds
-        between two probes could save `probe_value` times a probe's cost (``probe_every`` for a
-        pair that pays well, up to ``max_probe_every`` near the break-even)."""
+        between two probes could save a failed probe's cost times the odds against a hit
+        (``probe_every`` for a pair that pays well, up to ``max_probe_every`` near the break-even)."""
         if not self.measured:
             return self.probe_every
         s = self.saving()
         if s <= 0:
             return self.max_probe_every
-        need = math.ceil(self.probe_value * self.probe_cost() / s)
+        need = math.ceil(self.probe_odds() * self.probe_cost() / s)
         return min(self.max_probe_every, max(self.probe_every, need))
 
     def loaded_out(self) -> bool:
@@ -304,6 +343,11 @@ class DraftPolicy:
             return cfg.num_draft_tokens
         best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
         need = self.margin if self.measured else 1.0
+        if self.judge:  # the probe (or first block) just verified: did it find text the drafter gets
+            self.judge = False  # right (accepted in full), or text where drafting pays?
+            d = self.hit_decay
+            self.hit_s = d * self.hit_s + (1.0 if self.whole or self.rate(best) >= need else 0.0)
+            self.hit_n = d * self.hit_n + 1.0
         if cfg.allow_skip and self.rate(best) < need:
             if self.loaded_out():
                 # many sessions share the forwards and even 90% acceptance would not pay at this load:

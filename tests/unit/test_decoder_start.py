@@ -139,7 +139,8 @@ def test_a_short_completion_on_a_pair_near_its_break_even_gets_no_first_block(en
             break
     assert f is not None and pol.saving() < 0.5
     d_ids, t_ids = eng.pair.encode_drafter(PROMPT), eng.pair.encode_target(PROMPT)
-    need = pol.probe_value * pol.probe_cost(len(d_ids)) / pol.saving()
+    pol.confident = True  # (greedy: blocks end on the drafter's doubt, and a probe is priced by its mean block)
+    need = pol.probe_odds() * pol.probe_cost(len(d_ids)) / pol.saving()
     print(f"drafter step {f} of the target's: a first block pays from {need:.1f} tokens on")
 
     def first_round(n: int):
@@ -185,7 +186,7 @@ def test_a_request_that_starts_without_the_drafter_prices_the_prompt_into_its_pr
     feeds.clear()
     eng.counting.syncs.clear()
     eng.counting.drafts = 0
-    monkeypatch.setattr(DraftPolicy, "probe_value", 1e6)
+    monkeypatch.setattr(DraftPolicy, "probe_odds", lambda self: 1e6)
     out = eng.generate(PROMPT, max_new_tokens=40)
     assert out.stats.drafted == 0 and eng.counting.syncs == [] and eng.counting.drafts == 0
     assert len(feeds) > 2 and all(f >= len(d_ids) for f in feeds), feeds
@@ -256,3 +257,19 @@ def test_the_requests_running_in_the_loop_are_the_least_load_a_round_prices(eng,
     assert rows and min(rows) >= 3, rows
     for r in runs:
         r.close()
+
+
+def test_the_probes_record_carries_over_to_the_next_request_in_measured_mode_only(eng):
+    """How often probes found text that pays (and what a failed one drafted) is the pair's, not one
+    request's: the decoder hands it to the next request's policy -- greedy (measured costs) only;
+    seeded sampling keeps a policy that depends on its own tokens alone."""
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    out = eng.generate(PROMPT, max_new_tokens=40)
+    assert out.stats.drafted > 0 and eng.decoder._probes
+    mode, rec = next(iter(eng.decoder._probes.items()))
+    assert rec != (*DraftPolicy.hit_prior, 3.0, 1.0)  # the first block (a probe of the text) was scored
+    pol, _ = eng.decoder._policy(mode, DraftConfig(), SamplingParams())
+    assert (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n) == rec
+    sampled, _ = eng.decoder._policy(mode, DraftConfig(), SamplingParams(temperature=0.7))
+    assert not sampled.measured and (sampled.hit_s, sampled.hit_n) == DraftPolicy.hit_prior

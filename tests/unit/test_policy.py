@@ -291,12 +291,13 @@ def _run_left(policy: DraftPolicy, total: int, accept) -> list[int]:
 
 def test_a_pair_near_its_break_even_probes_only_where_a_probe_could_pay_back():
     """A drafter step costing 0.72 of a target step (smollm2-135m for gemma3-270m in bf16): drafting
-    saves ~7% of the time at 90% acceptance, a probe costs ~0.8 of a target step. A probe is sent
-    only where the tokens left could save probe_value times that, and no sooner than that many
-    rounds after the last one."""
+    saves ~7% of the time at 90% acceptance, a probe (two drafted tokens) costs ~1.5 target steps.
+    A probe is sent only where the tokens left could save that times the odds against a probe's
+    finding text that pays (2 to 1 before any probe is seen), and no sooner than
+    that many rounds after the last one."""
     near = DraftPolicy(DraftConfig(), 0.72, verify_costs=FLAT_TABLE, measured=True)
-    assert near.could_pay() and 0.04 < near.saving() < 0.1 and 0.7 < near.probe_cost() < 0.8
-    need = near.probe_value * near.probe_cost() / near.saving()
+    assert near.could_pay() and 0.04 < near.saving() < 0.1 and 1.4 < near.probe_cost() < 1.5
+    need = near.probe_odds() * near.probe_cost() / near.saving()
     assert near.worth_probing(int(need) + 1) and not near.worth_probing(int(need) - 1)
     assert near.probe_pace() == math.ceil(need) > DraftPolicy.probe_every
     ks = _run_left(near, 200, lambda k: 0)
@@ -330,6 +331,53 @@ def test_the_tokens_a_probe_must_feed_the_drafter_first_count_in_its_cost():
     assert n300 > 5 * n1
 
 
+# measured on an AMD EPYC (2 vCPU, fp32): qwen2.5-coder-0.5b verifying 1..11 tokens, smollm2-135m steps
+FP32_TARGET = [175.8, 363.5, 498.4, 498.4, 498.4, 498.4, 498.4, 498.4, 498.4, 498.4, 512.2]
+FP32_DRAFTER = [58.6, 110.3, 137.6, 137.6, 137.6, 137.6, 137.6, 137.6, 137.6, 137.6, 144.8]
+
+
+def test_a_confident_probe_is_priced_by_the_block_it_drafts():
+    """In confident mode (greedy) a probe's block runs until the drafter doubts -- often 2-4 tokens
+    -- and on a CPU in fp32 verifying 3-5 tokens costs ~2.8 decoding steps. A probe is priced by
+    the mean block of the recent probes (prior 3 tokens) -- what a probe that fails costs -- not
+    one drafted token (~1.4 steps here): for this pair (saving ~10% at best) a 64-token completion
+    sends no probe after its first block. Probes the drafter ends after one token cost less, and
+    the price follows."""
+    def fp32():
+        p = DraftPolicy(DraftConfig(), FP32_DRAFTER[0] / FP32_TARGET[0], verify_costs=FP32_TARGET,
+                        drafter_costs=FP32_DRAFTER, measured=True)
+        p.confident = True
+        return p
+
+    p = fp32()
+    c, v = p.c, [x / FP32_TARGET[0] for x in FP32_TARGET]
+    assert p.probe_len() == 3.0
+    assert p.probe_cost() == pytest.approx(3 * c + v[3] - 1, rel=1e-6) and p.probe_cost() > 2.5
+    assert p.could_pay() and p.saving() < 0.11
+    assert not p.worth_probing(50) and p.probe_pace() == DraftPolicy.max_probe_every
+    ks = _run_left(p, 64, lambda k: 0)
+    assert ks[0] > 0 and not any(ks[1:]), ks  # (a first block here stands for the request's: not sent, see decode)
+    # probes the drafter ends after one token: the price falls toward one token's block
+    q = fp32()
+    q.first = False
+    for _ in range(6):
+        q.probing = True
+        q.observe(1, 0)
+    assert 1.0 < q.probe_len() < 1.2 and q.probe_cost() < 0.6 * p.probe_cost()
+    # blocks after the first that are not probes do not move it (drafting that pays runs long blocks)
+    r = fp32()
+    r.observe(10, 4)  # (a first block that failed counts)
+    r.probing = False
+    r.observe(10, 3)
+    r.probing = True
+    r.observe(10, 10)  # (a probe accepted in full lost nothing)
+    assert r.probe_len() == pytest.approx((0.6 * 3 + 10) / 1.6)
+    # a GPU-like target (flat in the block) with a cheap drafter: probes stay cheap
+    g = DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, measured=True)
+    g.confident = True
+    assert g.probe_cost() < 0.5 and g.probe_pace() == DraftPolicy.probe_every
+
+
 def test_static_costs_probe_as_before_whatever_is_left():
     """Static costs (seeded sampling) keep their probe schedule: reproducible, and unchanged."""
     a = _run_left(DraftPolicy(DraftConfig(), 0.72), 120, lambda k: 0)
@@ -343,6 +391,7 @@ def test_a_later_probe_prices_only_what_the_drafter_missed_since_the_last_one():
     (that forward grows with its tokens) a long request at zero acceptance keeps probing at its
     pace until the rest could not pay a probe back."""
     p = DraftPolicy(DraftConfig(), 0.5, verify_costs=FLAT_TABLE, drafter_costs=CPU_TABLE, measured=True)
+    p.probe_odds = lambda: 3.0  # (held: this test is about the catch-up's price, not the probes' record)
     ks = _run_left(p, 400, lambda k: 0)
     probes = [i for i, k in enumerate(ks) if k > 0]
     assert all(b - a <= DraftPolicy.max_probe_every for a, b in zip(probes, probes[1:])), probes
@@ -350,3 +399,30 @@ def test_a_later_probe_prices_only_what_the_drafter_missed_since_the_last_one():
     assert probes[-1] > last_worth - DraftPolicy.max_probe_every, (probes, last_worth)
     # (pricing every skipped round, the probes stopped ~100 rounds before: 248 of 400)
     assert probes[-1] > 300
+
+
+def test_probes_that_find_nothing_come_rarer_and_probes_that_hit_keep_their_pace():
+    """The odds a probe must pay for come from how often recent probes found text that pays (or
+    were accepted in full): 2 to 1 before any probe; a drafter whose probes all fail (a pair that
+    shares little text on this request: smollm2-135m proposing for a Qwen target on Chinese) ends
+    up probing seldom and only with many tokens left, one whose probes hit probes at the pace the
+    costs allow."""
+    def pol():
+        return DraftPolicy(DraftConfig(), 0.3, verify_costs=CPU_TABLE, measured=True)
+
+    fresh = pol()
+    assert fresh.probe_odds() == pytest.approx(2.0)
+    miss, hit = pol(), pol()
+    ks_miss = _run_left(miss, 300, lambda k: 0)
+    ks_hit = _run_left(hit, 300, lambda k: k)  # (every probe accepted in full: it drafts on)
+    assert miss.probe_odds() > 8 and hit.probe_odds() < 2.0
+    n_miss = sum(1 for k in ks_miss if k > 0)
+    assert n_miss < sum(1 for k in _run_left(_held(pol(), 2.0), 300, lambda k: 0) if k > 0)
+    assert sum(1 for k in ks_hit if k > 0) > 200
+    # needing more tokens ahead: a late probe that the first odds allowed is not sent any more
+    assert fresh.worth_probing(10) and not miss.worth_probing(10)
+
+
+def _held(p: DraftPolicy, odds: float) -> DraftPolicy:
+    p.probe_odds = lambda: odds
+    return p
