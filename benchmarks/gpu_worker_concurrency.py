@@ -3,8 +3,9 @@
 Unlike gpu_verify_batch.py (one batched_forward call), this drives crossdraft.workers.VerifierWorker
 exactly as the gRPC handlers do: C client threads, each with its own session (a 512-token history),
 call ``verify`` with 8 drafts per round, round after round; the worker either batches their forwards
-through its BatchScheduler and paged KV pool (``--batching on``, the default) or runs one forward at
-a time with a private cache per session (``--batching off``, the code before batching). Greedy,
+through its BatchScheduler and paged KV pool -- with its forwards replayed as CUDA graphs per shape
+bucket (mode ``graphs``, the default on CUDA) or eagerly (``batched``) -- or runs one forward at a
+time with a private cache per session (``unbatched``, the code before batching). Greedy,
 random drafts (mostly rejected, so every round also rolls the cache back). Reports verifications/s
 per C for both, their ratio, and the batched worker's mean rows per forward and queue wait.
 
@@ -89,6 +90,9 @@ def main():
     ap.add_argument("--clients", default="1,8,16,32")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--modes", default="graphs,batched,unbatched",
+                    help="graphs: batched with CUDA graphs per shape bucket (crossdraft.graphs; emulated on a CPU); "
+                         "batched: batched, eager; unbatched: one forward at a time")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -106,8 +110,10 @@ def main():
     res = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "transformers": tf_version, "dtype": str(dtype), "context": args.context, "drafts_per_round": k,
            "modes": {}}
-    for mode in ("batched", "unbatched"):
-        batch = BatchConfig(max_rows=64, max_tokens=8192) if mode == "batched" else None
+    for mode in args.modes.split(","):
+        batch = None
+        if mode in ("graphs", "batched"):
+            batch = BatchConfig(max_rows=64, max_tokens=8192, cuda_graphs=mode == "graphs")
         w = VerifierWorker(loaded, WorkerConfig(max_sessions=128), batch=batch)
         pts = []
         run_point(w, 1, 2, args.context, loaded.vocab_size, k)  # warm-up
@@ -116,17 +122,29 @@ def main():
             print(mode, json.dumps(p), flush=True)
             pts.append(p)
         if w.scheduler is not None:
+            g = w.scheduler.graphs
+            if g is not None:
+                st = g.stats
+                res.setdefault("graphs", {}).update(captures=st.captures, replays=st.replays, eager=st.eager,
+                                                    disabled=st.disabled,
+                                                    buckets={str(k): v for k, v in st.buckets.items()})
+                print("graphs", json.dumps(res["graphs"]), flush=True)
             w.scheduler.close()
         del w
         if device.type == "cuda":
             torch.cuda.empty_cache()
         res["modes"][mode] = pts
-    b = {p["clients"]: p["verifications_per_s"] for p in res["modes"]["batched"]}
-    u = {p["clients"]: p["verifications_per_s"] for p in res["modes"]["unbatched"]}
-    res["batched_vs_unbatched"] = {c: b[c] / u[c] for c in b}
-    res["batched_vs_one_client"] = {c: b[c] / b[clients[0]] for c in b}
-    print(json.dumps({"batched_vs_unbatched": res["batched_vs_unbatched"],
-                      "batched_vs_one_client": res["batched_vs_one_client"]}), flush=True)
+    vps = {m: {p["clients"]: p["verifications_per_s"] for p in pts} for m, pts in res["modes"].items()}
+    ratios = {}
+    if "batched" in vps and "unbatched" in vps:
+        ratios["batched_vs_unbatched"] = {c: vps["batched"][c] / vps["unbatched"][c] for c in vps["batched"]}
+    if "graphs" in vps and "batched" in vps:
+        ratios["graphs_vs_batched"] = {c: vps["graphs"][c] / vps["batched"][c] for c in vps["graphs"]}
+    for m in ("graphs", "batched"):
+        if m in vps:
+            ratios[f"{m}_vs_one_client"] = {c: vps[m][c] / vps[m][clients[0]] for c in vps[m]}
+    res.update(ratios)
+    print(json.dumps(ratios), flush=True)
     with open(os.path.join(args.out, "gpu_worker_concurrency.json"), "w") as f:
         json.dump(res, f, indent=1)
 

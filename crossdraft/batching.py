@@ -48,6 +48,10 @@ class BatchConfig:
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
     kv_cache_memory_fraction: float = 0.0  # automatic size's memory share (0 = 0.2 on CPU, 0.8 on CUDA)
     block_size: int = 16  # tokens per KV block
+    # shape buckets replayed as captured CUDA graphs (crossdraft.graphs): None = on for a CUDA
+    # device, off elsewhere; True on a CPU runs the same bucketed path without graphs (a check of
+    # the padding; slower: there is nothing to capture)
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "prefill_chunk", "block_size"):
@@ -156,6 +160,15 @@ class BatchScheduler:
         # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
         self._seen: dict[int, list] = {}
         self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
+        self.graphs = None
+        use = cfg.cuda_graphs if cfg.cuda_graphs is not None else pool.device.type == "cuda"
+        if use:
+            from .graphs import ForwardGraphs
+
+            # row buckets: powers of two up to the row cap, and the cap itself
+            rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r < cfg.max_rows} | {cfg.max_rows})
+            self.graphs = ForwardGraphs(model, pool, backend="cuda" if pool.device.type == "cuda" else "emulate",
+                                        rows=rows)
         self._thread = threading.Thread(target=self._loop, name="crossdraft-batcher", daemon=True)
         self._thread.start()
 
@@ -393,7 +406,7 @@ class BatchScheduler:
             tokens = sum(len(j.tokens) for j in batch)
             rows = [Row(j.slot.handle, j.start, j.tokens, j.keep) for j in batch]
             try:
-                outs = batched_forward(self.model, self.pool, rows, head=[j.head for j in batch])
+                outs = batched_forward(self.model, self.pool, rows, head=[j.head for j in batch], graphs=self.graphs)
             except BaseException as e:  # never leave a caller waiting
                 log.exception("batched forward failed")
                 for j in batch:

@@ -276,6 +276,7 @@ class Decoder:
             pol.scale_d, pol.scale_v = self._scales[mode]
         if pol.measured and mode in self._probes:
             pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n = self._probes[mode]
+            pol.relax_record()
         return pol, step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed, top_logprobs=-1):

@@ -59,7 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PoolFull", "KVPool", "Row", "available_memory", "batched_forward", "kv_bytes_per_token", "new_pool_for"]
+__all__ = ["PoolFull", "KVPool", "Row", "available_memory", "batched_forward", "forward_hidden", "kv_bytes_per_token",
+           "new_pool_for", "plan_indices"]
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
@@ -406,12 +407,14 @@ def _rows_head(head, n_rows: int) -> list:
     return head
 
 
-def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None) -> list[torch.Tensor]:
+def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None, graphs=None) -> list[torch.Tensor]:
     """ONE forward of ``model`` over all ``rows``; per row, float32 logits ``[keep, V]`` of its last tokens.
 
     ``head``: ``None`` (the model's LM head), a ``[A, hidden]`` matrix used for every row, or a list
     with one matrix-or-None per row; a matrix gives ``linear(h, matrix)`` (softcapped like the model's
     logits when the config asks for it) of width ``A`` instead of the full vocabulary.
+    ``graphs``: a :class:`crossdraft.graphs.ForwardGraphs` -- the batch is padded to a shape bucket
+    and replayed as a captured CUDA graph where one fits (else, or without it, eager).
     After the call ``pool.length(row.handle) == row.start + len(row.tokens)``.
     """
     _check_rows(pool, rows)
@@ -422,15 +425,43 @@ def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None) -> list[
         raise ValueError(f"batched_forward supports attn_implementation {_SUPPORTED_ATTN}, not {attn!r}")
     _reserve(pool, rows)
 
-    bs = pool.block_size
-    dev = pool.device
     B = len(rows)
     T = max(len(r.tokens) for r in rows)
     ends = [r.start + len(r.tokens) for r in rows]
     lmax = max(ends)
-    n_pad = [T - len(r.tokens) for r in rows]
+    shape = graphs.bucket(B, T, lmax) if graphs is not None else None
+    Bp, Tp, Lp = shape or (B, T, lmax)
+    ids, pos, w_phys, r_phys = plan_indices(pool, rows, Bp, Tp, Lp)
+    try:
+        with torch.inference_mode():
+            hidden = None
+            if shape is not None:
+                hidden = graphs.hidden(shape, ids, pos, w_phys, r_phys, ends)
+            if hidden is None:
+                dev = pool.device
+                hidden = forward_hidden(model, pool, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True),
+                                        w_phys.to(dev, non_blocking=True), r_phys.to(dev, non_blocking=True), Lp,
+                                        lmax)
+            results = _heads(model, cfg, hidden, rows, heads, Tp)
+    except BaseException:
+        # the fed tokens may be half-written; every row stays rolled back to its start
+        for r in rows:
+            pool._lengths[r.handle] = r.start
+        raise
+    for r, e in zip(rows, ends):
+        pool._lengths[r.handle] = e
+    return results
 
-    # ---- index tensors (once per forward, on CPU, then one copy each to the device) ------------
+
+def plan_indices(pool: KVPool, rows: list[Row], B: int, T: int, lmax: int):
+    """Host index tensors of one forward of ``B >= len(rows)`` rows of ``T`` tokens over ``lmax``
+    key columns: token ids and positions ``[B, T]`` (rows left-padded), the physical pool rows the
+    fed tokens are written to ``[B*T]`` and each row's history is read from ``[B*lmax]``. Padding
+    (of a row, or whole rows past ``len(rows)``: a shape bucket) writes to and reads from the
+    scratch block at position 0."""
+    bs = pool.block_size
+    ends = [r.start + len(r.tokens) for r in rows]
+    n_pad = [T - len(r.tokens) for r in rows] + [T] * (B - len(rows))
     ids = torch.zeros(B, T, dtype=torch.long)
     pos = torch.zeros(B, T, dtype=torch.long)
     n_tab = max(1, max(pool._blocks_for(e) for e in ends))
@@ -449,20 +480,23 @@ def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None) -> list[
     j = torch.arange(lmax)
     tab_j = (j // bs).clamp(max=n_tab - 1)
     r_phys = tables[:, tab_j] * bs + j % bs  # [B, Lmax]
-    ends_t = torch.as_tensor(ends).unsqueeze(1)
+    ends_t = torch.as_tensor(ends + [0] * (B - len(rows))).unsqueeze(1)
     r_phys = torch.where(j.unsqueeze(0) < ends_t, r_phys, torch.full_like(r_phys, scratch_row))
+    return ids, pos, w_phys.reshape(-1), r_phys.reshape(-1)
 
-    ids_d = ids.to(dev, non_blocking=True)
-    pos_d = pos.to(dev, non_blocking=True)
-    w_d = w_phys.reshape(-1).to(dev, non_blocking=True)
-    r_d = r_phys.reshape(-1).to(dev, non_blocking=True)
 
+def forward_hidden(model, pool: KVPool, ids: torch.Tensor, pos: torch.Tensor, w_idx: torch.Tensor,
+                   r_idx: torch.Tensor, lmax: int, seq_len: int | None = None) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, T, hidden]`` for device index tensors from
+    :func:`plan_indices` (fixed shapes and tensor ops only: what a CUDA graph captures)."""
+    B, T = ids.shape
+    dev = ids.device
     # ---- masks: [B, 1, T, Lmax] additive -------------------------------------------------------
     mask_dtype = pool.dtype
     neg = torch.finfo(mask_dtype).min
     kpos = torch.arange(lmax, device=dev).view(1, 1, 1, lmax)
-    qpos = pos_d.view(B, 1, T, 1)
-    visible = kpos <= qpos  # pads sit at position 0 -> see key 0 (a real key of every row)
+    qpos = pos.view(B, 1, T, 1)
+    visible = kpos <= qpos  # pads sit at position 0 -> see key 0 (a real key of every row, or scratch)
     zero = torch.zeros((), dtype=mask_dtype, device=dev)
     negt = torch.full((), neg, dtype=mask_dtype, device=dev)
     m_full = torch.where(visible, zero, negt)
@@ -475,22 +509,11 @@ def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None) -> list[
         else:
             attention_mask = m_slide
 
-    cache = _PoolCache(pool, w_d, r_d, lmax, B, ends)
+    cache = _PoolCache(pool, w_idx, r_idx, lmax, B, [seq_len if seq_len is not None else lmax])
     base = _decoder(model)
     kw = {_cache_kwarg(base): cache}
-    try:
-        with torch.inference_mode():
-            out = base(input_ids=ids_d, attention_mask=attention_mask, position_ids=pos_d, use_cache=True, **kw)
-            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            results = _heads(model, cfg, hidden, rows, heads, T)
-    except BaseException:
-        # the fed tokens may be half-written; every row stays rolled back to its start
-        for r in rows:
-            pool._lengths[r.handle] = r.start
-        raise
-    for r, e in zip(rows, ends):
-        pool._lengths[r.handle] = e
-    return results
+    out = base(input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=True, **kw)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def _softcap(logits: torch.Tensor, cap) -> torch.Tensor:

@@ -41,6 +41,7 @@ class ModelServerConfig:
     prefill_chunk: int = 512  # long prefills/syncs run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic)
     kv_cache_memory_fraction: float = 0.0  # automatic pool size's share of free memory (0 = per device)
+    cuda_graphs: bool | None = None  # batched forwards as captured CUDA graphs per shape bucket (None = on CUDA)
     tls: TLSConfig = TLSConfig()  # certificate, key, client CA: mutual TLS when set (crossdraft.tls)
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (probes that cannot do TLS); 0 = off
     revision: str | None = None  # Hub ids: branch, tag or commit (same as model@REV)
@@ -95,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
                    help="longest wait of a forward for more rows in flight or due; auto = 15%% of the mean "
                         "forward time, 1-30 ms (env CROSSDRAFT_BATCH_WAIT_MS)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=_env("CUDA_GRAPHS", "auto"),
+                   help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
+                        "bucket; auto = on for a CUDA device (env CROSSDRAFT_CUDA_GRAPHS)")
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
@@ -137,6 +141,7 @@ def config_from_args(a) -> ModelServerConfig:
                             prefill_chunk=getattr(a, "prefill_chunk", 512),
                             kv_cache_tokens=getattr(a, "kv_cache_tokens", 0),
                             kv_cache_memory_fraction=getattr(a, "kv_cache_memory_fraction", 0.0),
+                            cuda_graphs={"on": True, "off": False}.get(getattr(a, "cuda_graphs", "auto")),
                             tls=TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "",
                                           key_file=getattr(a, "tls_key_file", "") or "",
                                           ca_file=getattr(a, "tls_client_ca_file", "") or ""),
@@ -168,7 +173,7 @@ def batch_config(cfg: ModelServerConfig):
     return BatchConfig(enabled=cfg.batching, max_rows=cfg.max_batch_rows, max_tokens=cfg.max_batch_tokens,
                        max_wait_ms=cfg.batch_wait_ms, prefill_chunk=cfg.prefill_chunk,
                        kv_cache_tokens=cfg.kv_cache_tokens,
-                       kv_cache_memory_fraction=cfg.kv_cache_memory_fraction)
+                       kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, cuda_graphs=cfg.cuda_graphs)
 
 
 class Loading:
@@ -305,5 +310,15 @@ def export_batch_metrics(kind: str, worker) -> None:
     # counts so far (monotonic), read when scraped
     ev = Gauge(f"crossdraft_{kind}_kv_evicted_sessions", "Idle sessions evicted so far to free KV memory")
     ev.set_function(lambda: worker.evicted_for_memory)
+    graphs = getattr(sched, "graphs", None)
+    if graphs is not None:
+        st = graphs.stats
+        for name, text, fn in (("captured", "Shape buckets captured as CUDA graphs so far", lambda: st.captures),
+                               ("replays", "Batched forwards replayed from a CUDA graph so far", lambda: st.replays),
+                               ("eager", "Batched forwards that fit no graph bucket (run eagerly) so far",
+                                lambda: st.eager),
+                               ("enabled", "1 while CUDA graphs are on (0 once a capture failed or differed)",
+                                lambda: 0 if st.disabled else 1)):
+            Gauge(f"crossdraft_{kind}_cuda_graphs_{name}", text).set_function(fn)
     full = Gauge(f"crossdraft_{kind}_kv_exhausted_rows", "Rows refused so far: the KV pool was full of busy sessions")
     full.set_function(lambda: sched.stats.exhausted)

@@ -300,6 +300,16 @@ class DraftPolicy:
             self.succ, self.trials = saved
         return max(0.0, 1.0 - 1.0 / best)
 
+    def relax_record(self, r: float = 0.9) -> None:
+        """A new request: the probes' record carried from earlier requests moves 10% back toward the
+        prior. Only probes change it, and a record of misses stops them where the completions are
+        short: without this a pair that once stopped probing would never try again; with it, a
+        record of misses (odds 20-30 to 1) is back under 5 to 1 after 7-9 requests, which then
+        draft a first block or probe (a request's first block costs a short one ~3% then)."""
+        ps, pn = self.hit_prior
+        self.hit_s = r * self.hit_s + (1 - r) * ps
+        self.hit_n = r * self.hit_n + (1 - r) * pn
+
     def probe_odds(self) -> float:
         """How many failed probes one that finds text worth drafting must pay for: (1 - h) / h, h the
         recent probes' hit rate (exponentially weighted, prior ``hit_prior``; within [0.03, 0.9])."""

@@ -426,3 +426,20 @@ def test_probes_that_find_nothing_come_rarer_and_probes_that_hit_keep_their_pace
 def _held(p: DraftPolicy, odds: float) -> DraftPolicy:
     p.probe_odds = lambda: odds
     return p
+
+
+def test_a_record_of_misses_relaxes_request_by_request_until_a_probe_is_worth_it_again():
+    """Only probes change the probes' record, and a record of misses stops the probes of short
+    completions: each new request moves it 10% back toward the prior, so a pair whose drafter
+    once failed everywhere tries again after a handful of requests (and its odds fall for good
+    if that probe hits)."""
+    p = DraftPolicy(DraftConfig(), 0.3, verify_costs=CPU_TABLE, measured=True)
+    _run_left(p, 300, lambda k: 0)
+    assert p.probe_odds() > 8
+    need = [p.probe_odds() * p.probe_cost() / p.saving()]
+    n = 0
+    while p.probe_odds() > 2.5:
+        p.relax_record()
+        n += 1
+        need.append(p.probe_odds() * p.probe_cost() / p.saving())
+    assert 5 <= n <= 20 and need == sorted(need, reverse=True), (n, need)

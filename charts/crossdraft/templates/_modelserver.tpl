@@ -119,6 +119,8 @@ spec:
           value: {{ $v.batching.kvCacheTokens | quote }}
         - name: CROSSDRAFT_KV_CACHE_MEMORY_FRACTION
           value: {{ $v.batching.kvCacheMemoryFraction | quote }}
+        - name: CROSSDRAFT_CUDA_GRAPHS
+          value: {{ $v.batching.cudaGraphs | default "auto" | quote }}
         - name: CROSSDRAFT_LOG_LEVEL
           value: {{ $v.logLevel | quote }}
         {{- if $root.Values.tls.enabled }}
