@@ -269,8 +269,9 @@ class DraftPolicy:
             self.succ, self.trials = saved
 
     def probe_len(self) -> float:
-        """Tokens a probe block is expected to draft: in confident mode the mean of the recent probes'
-        (and first blocks') drafted tokens, within [1, hi]; otherwise the probe's fixed block."""
+        """Tokens a failed probe block is expected to have drafted: in confident mode the mean over
+        the recent probes (and first blocks) not accepted in full, within [1, hi]; otherwise the
+        probe's fixed block."""
         if self.confident:
             return min(float(self.hi), max(1.0, self.probe_sum / self.probe_n))
         return float(min(self.hi, max(self.cfg.min_draft_tokens, 2)))
