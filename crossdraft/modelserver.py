@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "forward time, 1-30 ms (env CROSSDRAFT_BATCH_WAIT_MS)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=_env("CUDA_GRAPHS", "auto"),
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
-                        "bucket; auto = on for a CUDA device (env CROSSDRAFT_CUDA_GRAPHS)")
+                        "bucket; auto = on for a CUDA device; 'on' on a CPU runs the padded path without graphs "
+                        "(a check, slower) (env CROSSDRAFT_CUDA_GRAPHS)")
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
