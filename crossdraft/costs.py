@@ -37,11 +37,17 @@ import time
 
 import torch
 
-SIZES = (1, 2, 3, 4, 5, 6, 8, 11)  # tokens per forward that are timed; others are interpolated
-VERIFIER_MAX = 17  # the table covers forwards of 1..VERIFIER_MAX tokens (beyond: extrapolated)
+# tokens per forward that are timed; others are interpolated. The large sizes price what the small
+# ones cannot: a batch of many sessions' blocks, and a drafter's catch-up on rounds it skipped (in
+# text mode a Chinese character is 2-3 SmolLM2 tokens: a probe after 48 skipped rounds feeds ~150).
+# Until 16/32/64 were timed, the table ended at 17 tokens and went on flat where its last steps were
+# (bf16 on a CPU: 1..11 tokens cost about the same), pricing a 150-token catch-up as ~1 step, not ~4.
+SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16, 32, 64)
+VERIFIER_MAX = 64  # the table covers forwards of 1..VERIFIER_MAX tokens (beyond: the 32 -> 64 slope goes on)
 # the drafter's table too: a batched drafting step runs B sessions' single tokens in one forward,
-# and the policy prices it as a forward of B tokens (crossdraft.policy)
-DRAFTER_MAX = 17
+# and the policy prices it as a forward of B tokens (crossdraft.policy), a catch-up feed of n tokens
+# as one of n
+DRAFTER_MAX = 64
 CONTEXT = 128  # tokens already cached when timing
 RECHECK = 0.8  # re-measure when a start's one-token forward is this much faster than the cached table
 _ENV = "CROSSDRAFT_COST_PROFILE"

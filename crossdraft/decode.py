@@ -508,7 +508,11 @@ class Decoder:
             req.d.edit(req.d.prompt_len, self._encode_drafter_bytes(bytes(req.gen_bytes)))
         if not done and req.spec:
             self._commit_drafter(req, drafted, n, res.next_token)
-            req.k = req.policy.next_k(req.max_new_tokens - len(req.gen))
+            d = req.d
+            # what the drafter would be fed before its next block (all of its ids if it never
+            # had the session; else what it does not hold yet)
+            feed = len(d.ids) if not d.synced else len(d.ids) - d.sent
+            req.k = req.policy.next_k(req.max_new_tokens - len(req.gen), feed)
             pol = req.policy
             if pol.measured and kd > 0:
                 self._probes[req.mode] = (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n)

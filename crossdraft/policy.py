@@ -346,9 +346,17 @@ class DraftPolicy:
         """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
         return self.measured and self.batch > 1.5 and not self.could_pay()
 
-    def next_k(self, remaining: int | None = None) -> int:
+    def _feed(self, feed: int | None) -> int:
+        """What a probe's first forward feeds the drafter: the decoder's exact count, else the
+        rounds (target tokens) it missed."""
+        return self.unfed if feed is None else max(1, int(feed))
+
+    def next_k(self, remaining: int | None = None, feed: int | None = None) -> int:
         """The next round's block size; `remaining` = tokens the request may still generate (a
-        probe needs room to pay back, see worth_probing; None = unknown)."""
+        probe needs room to pay back, see worth_probing; None = unknown). `feed`: the drafter tokens
+        the drafter would be fed before it drafts again (its ids it does not hold: the decoder
+        knows them exactly; in text mode a skipped round can be 2-3 drafter tokens); None = count
+        the rounds it missed (`unfed`, what replays of traces do)."""
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.num_draft_tokens
@@ -380,7 +388,7 @@ class DraftPolicy:
             self.skipped += 1
             self.unfed += 1
             self.wait -= 1
-            if self.wait <= 0 and not self.worth_probing(remaining, self.unfed):
+            if self.wait <= 0 and not self.worth_probing(remaining, self._feed(feed)):
                 self.wait = self.interval  # too few tokens left for a probe to pay back its cost
             if self.wait <= 0:
                 # the text may have changed since alpha was last measured: let the probe's own
@@ -390,7 +398,7 @@ class DraftPolicy:
                 self.succ, self.trials = 0.3, 1.0
                 return self.hi if self.confident else min(self.hi, max(cfg.min_draft_tokens, 2))
             return 0
-        if self.unfed > 1 and not self.worth_probing(remaining, self.unfed):
+        if self.unfed > 1 and not self.worth_probing(remaining, self._feed(feed)):
             # drafting would pay, but the drafter has rounds (or, where the request started without
             # it, the prompt) to catch up on first, and too few tokens are left to win that back
             self.skipped += 1

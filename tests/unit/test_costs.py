@@ -26,6 +26,14 @@ def test_measure_gives_a_non_decreasing_table(pair):
     assert all(b >= a for a, b in zip(table, table[1:]))
 
 
+def test_the_tables_time_the_large_forwards_a_catch_up_or_a_batch_runs():
+    """Both tables reach 64 tokens, timed there (not extrapolated from 1..11 tokens, where bf16 on a
+    CPU is flat): a drafter's catch-up after skipped rounds and a batch of sessions' blocks are
+    priced from what such forwards measured."""
+    assert costs.DRAFTER_MAX >= 64 and costs.VERIFIER_MAX >= 64
+    assert {16, 32, costs.DRAFTER_MAX, costs.VERIFIER_MAX} <= set(costs.SIZES)
+
+
 def test_table_is_cached_on_disk_per_model_file(pair, tmp_path, monkeypatch):
     target, _ = pair
     monkeypatch.setenv("CROSSDRAFT_HOME", str(tmp_path / "home"))

@@ -192,6 +192,30 @@ def test_a_request_that_starts_without_the_drafter_prices_the_prompt_into_its_pr
     assert len(feeds) > 2 and all(f >= len(d_ids) for f in feeds), feeds
 
 
+def test_a_probe_is_priced_with_exactly_the_drafter_ids_its_sync_feeds(eng, monkeypatch):
+    """The feed the policy prices a probe's catch-up with is what the probe's first call then gives
+    the drafter: its spelling of the prompt and of every token generated since (in text mode more
+    drafter ids than rounds where the drafter's tokens are shorter), not a count of rounds."""
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    calls: list[tuple[int, int, bool]] = []  # (feed, syncs so far, answer)
+    real = DraftPolicy.worth_probing
+
+    def spy(self, remaining, feed=1):
+        ok = real(self, remaining, feed) if calls else False  # the start's check says no
+        calls.append((feed, len(eng.counting.syncs), ok))
+        return ok
+
+    monkeypatch.setattr(DraftPolicy, "worth_probing", spy)
+    monkeypatch.setattr(DraftPolicy, "probe_pace", lambda self: 6)
+    out = eng.generate(PROMPT, max_new_tokens=40)
+    assert out.stats.drafted > 0 and eng.counting.syncs
+    decided = [f for f, n, ok in calls if n == 0 and ok]
+    assert decided and decided[-1] == len(eng.counting.syncs[0]), (calls, len(eng.counting.syncs[0]))
+    rounds_before = len(eng.counting.syncs[0]) - len(eng.pair.encode_drafter(PROMPT))
+    assert rounds_before > 0
+
+
 class QueuedVerifier:
     """A VerifierPort whose every verification first waits `wait_s` in a queue (as behind other
     sessions' forwards in a busy verifier); it says so in queue_wait_s when `report` is on."""

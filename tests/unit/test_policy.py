@@ -401,6 +401,50 @@ def test_a_later_probe_prices_only_what_the_drafter_missed_since_the_last_one():
     assert probes[-1] > 300
 
 
+# measured on an AMD EPYC (2 vCPU, bf16) out to 64 tokens: a flat start (1..11 tokens cost about
+# one) and then the forward grows with its tokens; the 17-token tables before stopped in the flat part
+BF16_DRAFTER = [28.9, 29.0, 29.0, 29.0, 31.0, 33.0, 34.0, 34.6, 36.0, 37.0, 38.0] + [38.0] * 5 + [
+    38.0 + (42.7 - 38.0) * (i - 16) / 16 for i in range(17, 33)] + [
+    42.7 + (60.3 - 42.7) * (i - 32) / 32 for i in range(33, 65)]  # (128 tokens: 95.2 ms)
+
+
+def test_a_catch_up_is_priced_by_the_drafter_tokens_the_decoder_says_it_feeds():
+    """The decoder knows what the drafter's next forward feeds (in text mode a skipped round of a
+    Chinese text is 2-3 SmolLM2 tokens); given it, next_k prices a probe's catch-up with it rather
+    than one token per skipped round -- and a table that reaches 64 tokens prices a 150-token
+    catch-up at ~3.7 steps (128 tokens measured 3.3), where the old 17-token table (flat at its end) said ~1.2x."""
+    assert len(BF16_DRAFTER) == 64
+
+    def near():
+        p = DraftPolicy(DraftConfig(), 0.67, verify_costs=FLAT_TABLE, drafter_costs=BF16_DRAFTER, measured=True)
+        p.probe_odds = lambda: 2.0
+        return p
+
+    p = near()
+    assert 3.0 < p.dcost(150) < 4.2 and p.dcost(17) < 1.5
+    old = DraftPolicy(DraftConfig(), 0.67, verify_costs=FLAT_TABLE, drafter_costs=BF16_DRAFTER[:16], measured=True)
+    assert old.dcost(150) < 1.5
+    assert p.probe_cost(150) > p.probe_cost(48) + 1.0
+    # rounds alone (no feed): a probe comes at its pace; told the drafter would be fed 3 tokens a
+    # round, the same request sends fewer probes, none where the catch-up could not pay back
+    def run(per_round):
+        q, ks, k, missed = near(), [], 0, 1
+        q.observe(2, 0)  # the first block missed
+        for i in range(300):
+            ks.append(k)
+            q.observe(k, 0)
+            missed = 1 if k else missed + 1  # (after a probe: the target's token)
+            k = q.next_k(300 - i - 1, None if per_round is None else per_round * missed)
+        return [i for i, x in enumerate(ks) if x]
+
+    by_rounds, by_tokens = run(None), run(3)
+    assert set(by_tokens) < set(by_rounds), (by_rounds, by_tokens)
+    last = max(set(by_rounds) - set(by_tokens))  # dropped: its catch-up, told in tokens, could not pay
+    gap = last - max(i for i in by_rounds if i < last)
+    assert p.worth_probing(300 - last, gap) and not p.worth_probing(300 - last, 3 * gap)
+    assert run(1) == by_rounds  # one drafter token a round: the same as counting rounds
+
+
 def test_probes_that_find_nothing_come_rarer_and_probes_that_hit_keep_their_pace():
     """The odds a probe must pay for come from how often recent probes found text that pays (or
     were accepted in full): 2 to 1 before any probe; a drafter whose probes all fail (a pair that
