@@ -7,7 +7,9 @@ loop thread takes the first waiting row, gathers more until a row cap, a token c
 wait is reached, runs ONE :func:`crossdraft.kvpool.batched_forward` and hands each caller its
 rows. A session is in a batch at most once (its caller waits for its row). Long feeds (a prefill,
 a sync after a cache miss) are cut into chunks of ``prefill_chunk`` tokens, each a separate row,
-so one long prompt delays other sessions' rounds by at most one chunk's share of a forward.
+so one long prompt delays other sessions' rounds by at most one chunk's share of a forward. The
+forward pads rows to the longest, so a long row batches only with rows of about its length
+(:func:`_mixes`): a prompt's chunk never pads other sessions' one-token steps to its length.
 
 The wait for more rows only happens while other callers are inside the worker (``busy()``
 counts them): with one client a row runs at once, so batching costs a single user nothing.
@@ -40,7 +42,7 @@ class BatchConfig:
 
     enabled: bool = True  # False: one forward at a time, each session with its own cache
     max_rows: int = 32  # sessions in one forward at most
-    max_tokens: int = 4096  # tokens (rows x their lengths) in one forward at most
+    max_tokens: int = 4096  # tokens in one forward at most (rows x the longest row: the padded forward)
     # how long the first row may wait for others that are in flight or due (None = automatic:
     # 15% of the mean forward time, 1 to 30 ms)
     max_wait_ms: float | None = None
@@ -301,24 +303,28 @@ class BatchScheduler:
                 return []
             batch = [self._q.popleft()]
             slots = {id(batch[0].slot)}
-            tokens = len(batch[0].tokens)
+            tokens = longest = len(batch[0].tokens)
             deadline = time.perf_counter() + self._max_wait_s()
             skipped: list[_Job] = []
             while len(batch) < cfg.max_rows:
                 if self._q:
                     job = self._q.popleft()
-                    if id(job.slot) in slots or tokens + len(job.tokens) > cfg.max_tokens:
+                    n = len(job.tokens)
+                    if tokens + n > cfg.max_tokens:
+                        skipped.append(job)  # the next batch (in order: nothing overtakes it)
+                        break
+                    if id(job.slot) in slots or not _mixes(len(batch), longest, n, cfg.max_tokens):
                         skipped.append(job)  # next batch
-                        if tokens + len(job.tokens) > cfg.max_tokens:
-                            break
                         continue
                     batch.append(job)
                     slots.add(id(job.slot))
-                    tokens += len(job.tokens)
+                    tokens += n
+                    longest = max(longest, n)
                     continue
-                # nothing queued: wait a little, only while other rows may be about to come
+                # nothing queued: wait a little, only while other rows may be about to come (not
+                # while a row set aside waits for the next batch)
                 now = time.perf_counter()
-                if now >= deadline or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
+                if now >= deadline or skipped or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
                     break
                 self._cv.wait(deadline - now)
             self._q.extendleft(reversed(skipped))
@@ -457,6 +463,28 @@ class PooledKV:
 
     def close(self) -> None:
         self.sched.release(self.slot)
+
+
+# rows up to this many tokens batch together whatever their lengths (verification blocks, drafting
+# steps, short syncs): padding them to the longest costs little
+SHORT_ROW = 32
+
+
+def _mixes(rows: int, longest: int, n: int, max_tokens: int) -> bool:
+    """Whether a row of ``n`` tokens joins a batch of ``rows`` rows (the longest ``longest``). The
+    forward pads every row to the longest: it computes rows x longest tokens. A long row (a
+    prefill chunk) among one-token steps would make each of them cost its length --
+    seen on a CPU: 16 sessions starting at once, each new prompt's 150-token chunk padded the 15
+    others' decoding steps to 150 tokens, a 2,400-token forward for 165 real ones. So a batch
+    stays within ``max_tokens`` padded, and a row longer than SHORT_ROW joins (or is joined) only
+    where that adds at most SHORT_ROW tokens of padding to the forward (about what a forward of its
+    own costs beyond its tokens: two chunks of about one length batch, a chunk and a one-token step
+    do not); the row set aside runs in the next forward."""
+    t = max(longest, n)
+    padded = (rows + 1) * t
+    if padded > max_tokens:
+        return False
+    return t <= SHORT_ROW or padded - rows * longest - n <= SHORT_ROW
 
 
 def _chunks(tokens: list[int], chunk: int, keep: int):

@@ -260,6 +260,51 @@ def test_sampling_verification_in_shared_batches_is_deterministic(target, tok_t,
     assert torch.get_num_threads() >= 1
 
 
+def test_a_long_prefill_does_not_pad_other_sessions_short_rows(target, tok_t):
+    """A batched forward pads every row to the longest. A new session's 120-token prompt arriving
+    with six sessions' 3-token blocks runs in a forward of its own, and the blocks batch together:
+    no forward pads short rows to the prompt's length (6 x 120 computed for 18 real tokens). The
+    answers are the one-by-one ones."""
+    from crossdraft.batching import SHORT_ROW, _mixes
+
+    rng = np.random.default_rng(7)
+    short = {f"s{i}": [int(x) for x in rng.integers(5, len(tok_t) - 5, size=10)] for i in range(6)}
+    long_p = [int(x) for x in rng.integers(5, len(tok_t) - 5, size=120)]
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=1000))
+    ref = VerifierWorker(target, WCFG)
+    for x in (w, ref):
+        for sid, p in short.items():
+            x.sync(sid, p)
+            x.verify(sid, None, [5], None, 0, GREEDY, 0)  # prefilled: the next rows are short
+        x.sync("long", long_p)  # (its prefill runs with its first block)
+    want = {sid: ref.verify(sid, None, [5, 6], None, 1, GREEDY, 0) for sid in short}
+    want["long"] = ref.verify("long", None, [5], None, 0, GREEDY, 0)
+    got = {}
+    calls, hook = _forward_counter(target.model)
+    busy = w.scheduler.busy
+    w.scheduler.busy = lambda: 7  # (hold the first row until all seven are queued, as under load)
+    try:
+        def one(sid):
+            def fn():
+                got[sid] = w.verify(sid, None, [5] if sid == "long" else [5, 6], None,
+                                    0 if sid == "long" else 1, GREEDY, 0)
+            return fn
+        _run_threads([one(s) for s in [*short, "long"]])
+    finally:
+        w.scheduler.busy = busy
+        hook.remove()
+        w.scheduler.close()
+    assert {s: (r.num_accepted, r.next_token) for s, r in got.items()} == \
+        {s: (r.num_accepted, r.next_token) for s, r in want.items()}
+    assert (1, 121) in [tuple(c[:2]) for c in calls]  # the prompt and its block: a row alone
+    assert all(c[0] == 1 for c in calls if c[1] > SHORT_ROW), calls
+    assert any(c[0] > 1 for c in calls)  # the short rows still batched
+    # the rule itself: short rows mix whatever their lengths; a long one where it adds little padding
+    assert _mixes(15, 1, 17, 4096) and not _mixes(15, 1, 150, 4096) and not _mixes(1, 3, 121, 4096)
+    assert _mixes(1, 150, 140, 4096) and not _mixes(3, 17, 300, 4096) and not _mixes(1, 512, 200, 4096)
+    assert not _mixes(8, 512, 512, 4096)  # padded past the token cap
+
+
 def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_succeed(target, tok_t):
     """Two sessions whose prefills land in one batch but do not fit in the pool together: the busy one
     cannot be evicted, so the other is refused with RESOURCE_EXHAUSTED (retry later); retried
