@@ -162,6 +162,9 @@ class BatchScheduler:
         # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
         self._seen: dict[int, list] = {}
         self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
+        # the model's measured ms per forward of 1, 2, ... tokens (crossdraft.costs; set by the worker
+        # once timed): whether padding short rows to a longer one costs more than a forward of its own
+        self.cost_ms: list[float] | None = None
         self.graphs = None
         use = cfg.cuda_graphs if cfg.cuda_graphs is not None else pool.device.type == "cuda"
         if use:
@@ -327,7 +330,8 @@ class BatchScheduler:
                 if now >= deadline or skipped or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
                     break
                 self._cv.wait(deadline - now)
-            self._q.extendleft(reversed(skipped))
+            batch, later = _split(batch, self.cost_ms)
+            self._q.extendleft(reversed(later + skipped))
             return batch
 
     def _max_wait_s(self) -> float:
@@ -485,6 +489,52 @@ def _mixes(rows: int, longest: int, n: int, max_tokens: int) -> bool:
     if padded > max_tokens:
         return False
     return t <= SHORT_ROW or padded - rows * longest - n <= SHORT_ROW
+
+
+def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
+    """(rows to run now, rows for the next forward). Every row is padded to the longest, and on a
+    CPU a forward's cost grows with its tokens: one session's 11-token block among 15 one-token
+    steps makes a forward of 176 tokens (~7 decoding steps of a 1.5B model on 2 cores, against
+    ~2.5 for the steps and the block apart). With the model's cost table (``cost_ms``) the batch
+    is cut by length where that is cheaper: the rows up to some length or the rows from some length
+    on run now -- always with the oldest row (``batch[0]``: no row waits more than one extra
+    forward) -- the rest in the next forward, whichever costs least for both forwards together.
+    On a GPU the table is flat and the batch stays whole; without a table it does too (rows longer
+    than SHORT_ROW were already kept apart by :func:`_mixes`)."""
+    if not cost_ms or len(batch) < 2:
+        return batch, []
+    lens = sorted({len(j.tokens) for j in batch})
+    if len(lens) < 2:
+        return batch, []
+    first = len(batch[0].tokens)
+
+    def total(now: list[int], rest: list[int]) -> float:
+        c = _table_ms(cost_ms, len(now) * max(now))
+        return c + (_table_ms(cost_ms, len(rest) * max(rest)) if rest else 0.0)
+
+    sizes = [len(j.tokens) for j in batch]
+    best = total(sizes, [])  # (whole: the cut must be clearly cheaper to win)
+    keep = None
+    for L in lens:
+        for short in (True, False):  # rows <= L (L >= the oldest's), or rows >= L (L <= the oldest's)
+            if (short and L < first) or (not short and L > first) or (short and L == lens[-1]) or \
+                    (not short and L == lens[0]):
+                continue
+            inside = [(n <= L) if short else (n >= L) for n in sizes]
+            c = total([n for n, x in zip(sizes, inside) if x], [n for n, x in zip(sizes, inside) if not x])
+            if c < 0.9 * best:
+                best, keep = c, inside
+    if keep is None:
+        return batch, []
+    return [j for j, x in zip(batch, keep) if x], [j for j, x in zip(batch, keep) if not x]
+
+
+def _table_ms(t: list[float], m: int) -> float:
+    """ms of a forward of m tokens from a table of 1..len(t) tokens (beyond: its last slope goes on)."""
+    if m <= len(t):
+        return t[max(1, m) - 1]
+    step = max(0.0, t[-1] - t[-2]) if len(t) > 1 else t[-1]
+    return t[-1] + step * (m - len(t))
 
 
 def _chunks(tokens: list[int], chunk: int, keep: int):

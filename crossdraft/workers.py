@@ -263,6 +263,8 @@ class _Worker:
                 if self._timings is None:
                     m = costs.VERIFIER_MAX if self.kind == "verifier" else costs.DRAFTER_MAX
                     self._timings = costs.forward_ms(self.loaded, m)
+                    if self.scheduler is not None and self._timings:
+                        self.scheduler.cost_ms = list(self._timings)  # (it cuts batches by their cost)
         return self._timings
 
     def info(self) -> dict:

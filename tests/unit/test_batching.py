@@ -305,6 +305,57 @@ def test_a_long_prefill_does_not_pad_other_sessions_short_rows(target, tok_t):
     assert not _mixes(8, 512, 512, 4096)  # padded past the token cap
 
 
+@pytest.mark.parametrize("table", ["cpu", "gpu"])
+def test_a_block_among_one_token_steps_is_cut_off_where_padding_costs_more_than_a_forward(target, tok_t, table):
+    """Six sessions' one-token steps and one session's 10-token block arrive together. On a CPU
+    (a measured cost table that grows with the tokens) padding the six steps to 10 tokens costs
+    more than a second forward: the block runs apart. On a GPU (a flat table) one forward holds
+    all seven. Same answers either way; the oldest row is always in the first forward."""
+    from crossdraft.batching import _split
+
+    cpu = [131.0, 135.0, 135.0, 135.0, 140.0, 145.0, 150.0, 157.0, 160.0, 163.0, 166.0] + \
+        [166.0 + 4.0 * i for i in range(1, 54)]  # (1.5B bf16 on 2 cores: flat, then ~4 ms a token)
+    gpu = [30.0 + 0.02 * i for i in range(64)]
+    rng = np.random.default_rng(8)
+    ps = {f"s{i}": [int(x) for x in rng.integers(5, len(tok_t) - 5, size=12)] for i in range(7)}
+    block = {sid: ([5, 6, 7, 8, 9, 10, 11, 12, 13] if sid == "s6" else []) for sid in ps}
+    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=1000))
+    ref = VerifierWorker(target, WCFG)
+    for x in (w, ref):
+        for sid, p in ps.items():
+            x.sync(sid, p)
+            x.verify(sid, None, [5], None, 0, GREEDY, 0)
+    want = {sid: ref.verify(sid, None, block[sid], None, 1, GREEDY, 0) for sid in ps}
+    w.scheduler.cost_ms = cpu if table == "cpu" else gpu
+    got = {}
+    calls, hook = _forward_counter(target.model)
+    busy = w.scheduler.busy
+    w.scheduler.busy = lambda: 7
+    try:
+        _run_threads([lambda s=s: got.__setitem__(s, w.verify(s, None, block[s], None, 1, GREEDY, 0)) for s in ps])
+    finally:
+        w.scheduler.busy = busy
+        hook.remove()
+        w.scheduler.close()
+    assert {s: (r.num_accepted, r.next_token) for s, r in got.items()} == \
+        {s: (r.num_accepted, r.next_token) for s, r in want.items()}
+    shapes = sorted(tuple(c[:2]) for c in calls)
+    if table == "cpu":
+        assert shapes == [(1, 10), (6, 1)], shapes
+    else:
+        assert shapes == [(7, 10)], shapes
+
+    class J:
+        def __init__(self, n):
+            self.tokens = [0] * n
+
+    rows = [J(1) for _ in range(15)] + [J(11)]
+    assert [len(x) for x in _split(rows, cpu)] == [15, 1]  # the block waits one forward
+    assert [len(x) for x in _split(rows[::-1], cpu)] == [1, 15]  # the oldest (the block) runs now
+    assert [len(x) for x in _split(rows, gpu)] == [16, 0] and [len(x) for x in _split(rows, None)] == [16, 0]
+    assert [len(x) for x in _split([J(2), J(1), J(1)], cpu)] == [3, 0]  # little padding: whole
+
+
 def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_succeed(target, tok_t):
     """Two sessions whose prefills land in one batch but do not fit in the pool together: the busy one
     cannot be evicted, so the other is refused with RESOURCE_EXHAUSTED (retry later); retried
