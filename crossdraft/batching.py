@@ -32,6 +32,7 @@ import torch
 
 from .errors import InvalidArgument, NotFound, ResourceExhausted
 from .kvpool import KVPool, PoolFull, Row, batched_forward
+from .policy import _table
 
 log = logging.getLogger("crossdraft.batching")
 
@@ -509,8 +510,8 @@ def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
     first = len(batch[0].tokens)
 
     def total(now: list[int], rest: list[int]) -> float:
-        c = _table_ms(cost_ms, len(now) * max(now))
-        return c + (_table_ms(cost_ms, len(rest) * max(rest)) if rest else 0.0)
+        c = _table(cost_ms, len(now) * max(now), 0.0)
+        return c + (_table(cost_ms, len(rest) * max(rest), 0.0) if rest else 0.0)
 
     sizes = [len(j.tokens) for j in batch]
     best = total(sizes, [])  # (whole: the cut must be clearly cheaper to win)
@@ -527,14 +528,6 @@ def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
     if keep is None:
         return batch, []
     return [j for j, x in zip(batch, keep) if x], [j for j, x in zip(batch, keep) if not x]
-
-
-def _table_ms(t: list[float], m: int) -> float:
-    """ms of a forward of m tokens from a table of 1..len(t) tokens (beyond: its last slope goes on)."""
-    if m <= len(t):
-        return t[max(1, m) - 1]
-    step = max(0.0, t[-1] - t[-2]) if len(t) > 1 else t[-1]
-    return t[-1] + step * (m - len(t))
 
 
 def _chunks(tokens: list[int], chunk: int, keep: int):
