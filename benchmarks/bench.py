@@ -207,9 +207,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every method this many times per prompt (interleaved, target-only first and last "
                          "in turn); a prompt's row is its median run")
+    ap.add_argument("--paired", action="store_true",
+                    help="give every run a target-only run of its own next to it (before, then after, in turn) and "
+                         "report the median over the repeats of these neighbours' ratios (on by default with --smoke)")
     a = ap.parse_args()
     if a.smoke:
-        a.prompt_set, a.max_new_tokens, a.modes, a.no_hf = "smoke", 48, "greedy", True
+        a.prompt_set, a.max_new_tokens, a.modes, a.no_hf, a.paired = "smoke", 48, "greedy", True, True
         if a.tag == "bench":
             a.tag = "smoke"
             a.out = str(ROOT / ".cache" / "bench")
@@ -241,11 +244,14 @@ def main() -> None:
         seen.append(run)
         if len(seen) == 1:
             r["runs"].append(dict(run))
+            row = r["runs"][-1]
         else:  # --repeats: the prompt's row is its median run (the lower one of two), all times kept
             ranked = sorted(seen, key=lambda x: x["seconds"] if x["seconds"] == x["seconds"] else float("inf"))
             row = next(x for x in r["runs"] if x["prompt"] == prompt_i)
             row.clear()
             row.update(ranked[(len(ranked) - 1) // 2], repeat_seconds=[round(x["seconds"], 4) for x in seen])
+        if "paired_target" in run:  # --paired: each run's speed over its own target-only neighbour's
+            row["paired_ratios"] = [round(_paired_ratio(x), 4) for x in seen if "paired_target" in x]
         print(f"  {mode:6} {method:18} {drafter or '-':20} p{prompt_i} {len(gen):4d} tok {secs:6.2f}s "
               f"{len(gen) / secs:6.2f} tok/s {json.dumps({k: v for k, v in extra.items() if k != 'logprob'})}",
               flush=True)
@@ -263,30 +269,49 @@ def main() -> None:
         if a.hf_target_only and not a.no_hf:
             gen, secs, _ = hf_generate(target, None, prompt_ids, a.max_new_tokens, params, seed)
             rec(mode, "hf target-only", None, pi, gen, secs, {})
+        return [len(res.token_ids), round(res.stats.total_s, 4)]
 
+    def one(method, name, params, seed, prompt, prompt_ids):
+        """One timed run of a drafter method: (token ids, seconds, extra fields)."""
+        if method == "hf assisted":
+            try:
+                gen, secs, cnt = hf_generate(target, drafters[name], prompt_ids, a.max_new_tokens, params, seed)
+                return gen, secs, {"drafted": cnt["proposed"], "accepted": cnt["matched"]}
+            except Exception as e:  # a baseline that crashes is reported, not hidden
+                return [], float("nan"), {"error": repr(e)[:300]}
+        res = engines[name].generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed,
+                                     draft=draft_cfg)
+        s = res.stats
+        return res.token_ids, s.total_s, {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
+                                          "resyncs": s.resyncs}
+
+    jobs = [(m, name) for name in drafters for m in ([] if a.no_hf else ["hf assisted"]) + ["crossdraft"]]
     for pi, prompt in enumerate(prompts):
         prompt_ids = list(target.tokenizer(prompt)["input_ids"])
         print(f"prompt {pi}: {len(prompt_ids)} tokens", flush=True)
         for mode, rep in [(m, i) for m in a.modes.split(",") for i in range(a.repeats)]:
             params = modes[mode]
             seed = 1000 + pi
+            if a.paired:
+                # every run next to a target-only run of its own (before it, then after it, in turn):
+                # on a shared machine whose speed drifts by 30% within a minute, a ratio of neighbours
+                # is what a change to the decoding path can be judged by
+                for j, (method, name) in enumerate(jobs):
+                    if (rep + j) % 2 == 0:
+                        base = target_only(mode, params, seed, pi, prompt, prompt_ids)
+                        gen, secs, extra = one(method, name, params, seed, prompt, prompt_ids)
+                    else:
+                        gen, secs, extra = one(method, name, params, seed, prompt, prompt_ids)
+                        base = target_only(mode, params, seed, pi, prompt, prompt_ids)
+                    rec(mode, method, name, pi, gen, secs, {**extra, "paired_target": base})
+                continue
             # repeats alternate the order (target-only first, then last): a method that always runs
             # second would carry any drift of the machine within the pair
             if rep % 2 == 0:
                 target_only(mode, params, seed, pi, prompt, prompt_ids)
-            for name, d in drafters.items():
-                if not a.no_hf:
-                    try:
-                        gen, secs, cnt = hf_generate(target, d, prompt_ids, a.max_new_tokens, params, seed)
-                        rec(mode, "hf assisted", name, pi, gen, secs,
-                            {"drafted": cnt["proposed"], "accepted": cnt["matched"]})
-                    except Exception as e:  # a baseline that crashes is reported, not hidden
-                        rec(mode, "hf assisted", name, pi, [], float("nan"), {"error": repr(e)[:300]})
-                res = engines[name].generate(prompt, max_new_tokens=a.max_new_tokens, params=params, seed=seed,
-                                             draft=draft_cfg)
-                s = res.stats
-                rec(mode, "crossdraft", name, pi, res.token_ids, s.total_s,
-                    {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, "resyncs": s.resyncs})
+            for method, name in jobs:
+                gen, secs, extra = one(method, name, params, seed, prompt, prompt_ids)
+                rec(mode, method, name, pi, gen, secs, extra)
             if rep % 2 == 1:
                 target_only(mode, params, seed, pi, prompt, prompt_ids)
         # fidelity for sampling rows, computed after timing
@@ -299,6 +324,14 @@ def main() -> None:
     write_results(a, rows, prompts, target, drafters, final=True)
     print()
     print("\n".join(ratio_lines(rows, a.prompt_labels)))
+
+
+def _paired_ratio(run: dict) -> float:
+    """A run's speed over its neighbouring target-only run's (--paired)."""
+    bt, bs = run["paired_target"]
+    if not run["tokens"] or not run["seconds"] == run["seconds"] or not bs:
+        return float("nan")
+    return (run["tokens"] / run["seconds"]) / (bt / bs)
 
 
 def ratio_lines(rows, labels) -> list[str]:
@@ -320,11 +353,16 @@ def ratio_lines(rows, labels) -> list[str]:
             if x is None or b is None or not x["seconds"] == x["seconds"] or not x["tokens"]:
                 cells.append("-")
                 continue
-            ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
+            if x.get("paired_ratios"):  # --paired: the median over the repeats of neighbours' ratios
+                ratio = statistics.median(x["paired_ratios"])
+                bt, bs = x["paired_target"]
+            else:
+                ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
+                bt, bs = b["tokens"], b["seconds"]
             acc = f" ({x['accepted']}/{x['drafted']})" if "drafted" in x else ""
             cells.append(f"{ratio:.2f}x{acc}")
             toks, secs = toks + x["tokens"], secs + x["seconds"]
-            btoks, bsecs = btoks + b["tokens"], bsecs + b["seconds"]
+            btoks, bsecs = btoks + bt, bsecs + bs
             same += x["token_ids"] == b["token_ids"]
         total = f"{(toks / secs) / (btoks / bsecs):.2f}x" if secs and bsecs else "-"
         ident = f"{same}/{len(r['runs'])}" if mode == "greedy" else "n/a"
@@ -352,6 +390,10 @@ def summarize(rows):
         base = ref.get(mode, {})
         base_toks = sum(base[x["prompt"]]["tokens"] for x in runs if x["prompt"] in base)
         base_secs = sum(base[x["prompt"]]["seconds"] for x in runs if x["prompt"] in base)
+        if runs and all("paired_target" in x for x in runs):  # --paired: each run's own neighbour
+            base_toks = sum(x["paired_target"][0] for x in runs)
+            base_secs = sum(x["paired_target"][1] for x in runs)
+            row["paired_median_ratios"] = [round(statistics.median(x["paired_ratios"]), 3) for x in runs]
         if base_secs and tps:
             row["speedup_vs_target_only"] = round(tps / (base_toks / base_secs), 3)
         if mode == "greedy":
@@ -418,6 +460,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "num_draft_tokens": a.num_draft_tokens,
         "token_healing": not a.no_heal,
         "repeats": a.repeats,
+        "paired": a.paired,
         "prompt_set": a.prompt_set,
         "prompt_labels": a.prompt_labels,
         **git_commit(),

@@ -66,6 +66,22 @@ def _run_threads(fns):
         raise errors[0]
 
 
+def _run_held(w, model, fns) -> list:
+    """Run `fns` in threads at once while the worker's loop is told they are all busy inside it (it
+    holds the first row, up to its max wait, until all are queued, as under load); return the
+    shapes of the model's forwards meanwhile. Closes the worker's scheduler."""
+    calls, hook = _forward_counter(model.model)
+    busy = w.scheduler.busy
+    w.scheduler.busy = lambda: len(fns)
+    try:
+        _run_threads(fns)
+    finally:
+        w.scheduler.busy = busy
+        hook.remove()
+        w.scheduler.close()
+    return calls
+
+
 def test_concurrent_verifications_share_forwards_and_give_the_one_by_one_answers(target, tok_t):
     prompts = _prompts(tok_t, 8)
     blocks = [[7 + i, 9, 11 + i][: 1 + i % 3] for i in range(8)]
@@ -280,20 +296,13 @@ def test_a_long_prefill_does_not_pad_other_sessions_short_rows(target, tok_t):
     want = {sid: ref.verify(sid, None, [5, 6], None, 1, GREEDY, 0) for sid in short}
     want["long"] = ref.verify("long", None, [5], None, 0, GREEDY, 0)
     got = {}
-    calls, hook = _forward_counter(target.model)
-    busy = w.scheduler.busy
-    w.scheduler.busy = lambda: 7  # (hold the first row until all seven are queued, as under load)
-    try:
-        def one(sid):
-            def fn():
-                got[sid] = w.verify(sid, None, [5] if sid == "long" else [5, 6], None,
-                                    0 if sid == "long" else 1, GREEDY, 0)
-            return fn
-        _run_threads([one(s) for s in [*short, "long"]])
-    finally:
-        w.scheduler.busy = busy
-        hook.remove()
-        w.scheduler.close()
+
+    def one(sid):
+        def fn():
+            got[sid] = w.verify(sid, None, [5] if sid == "long" else [5, 6], None,
+                                0 if sid == "long" else 1, GREEDY, 0)
+        return fn
+    calls = _run_held(w, target, [one(s) for s in [*short, "long"]])
     assert {s: (r.num_accepted, r.next_token) for s, r in got.items()} == \
         {s: (r.num_accepted, r.next_token) for s, r in want.items()}
     assert (1, 121) in [tuple(c[:2]) for c in calls]  # the prompt and its block: a row alone
@@ -328,15 +337,8 @@ def test_a_block_among_one_token_steps_is_cut_off_where_padding_costs_more_than_
     want = {sid: ref.verify(sid, None, block[sid], None, 1, GREEDY, 0) for sid in ps}
     w.scheduler.cost_ms = cpu if table == "cpu" else gpu
     got = {}
-    calls, hook = _forward_counter(target.model)
-    busy = w.scheduler.busy
-    w.scheduler.busy = lambda: 7
-    try:
-        _run_threads([lambda s=s: got.__setitem__(s, w.verify(s, None, block[s], None, 1, GREEDY, 0)) for s in ps])
-    finally:
-        w.scheduler.busy = busy
-        hook.remove()
-        w.scheduler.close()
+    calls = _run_held(w, target, [lambda s=s: got.__setitem__(s, w.verify(s, None, block[s], None, 1, GREEDY, 0))
+                                  for s in ps])
     assert {s: (r.num_accepted, r.next_token) for s, r in got.items()} == \
         {s: (r.num_accepted, r.next_token) for s, r in want.items()}
     shapes = sorted(tuple(c[:2]) for c in calls)
