@@ -353,16 +353,15 @@ def ratio_lines(rows, labels) -> list[str]:
             if x is None or b is None or not x["seconds"] == x["seconds"] or not x["tokens"]:
                 cells.append("-")
                 continue
-            if x.get("paired_ratios"):  # --paired: the median over the repeats of neighbours' ratios
-                ratio = statistics.median(x["paired_ratios"])
-                bt, bs = x["paired_target"]
-            else:
-                ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
-                bt, bs = b["tokens"], b["seconds"]
+            ratio = (x["tokens"] / x["seconds"]) / (b["tokens"] / b["seconds"])
+            xs = x["seconds"]
+            if x.get("paired_ratios"):  # --paired: the median over the repeats of neighbours' ratios,
+                ratio = statistics.median(x["paired_ratios"])  # and the total weighs each prompt by
+                xs = x["tokens"] / (ratio * b["tokens"] / b["seconds"])  # its target-only time
             acc = f" ({x['accepted']}/{x['drafted']})" if "drafted" in x else ""
             cells.append(f"{ratio:.2f}x{acc}")
-            toks, secs = toks + x["tokens"], secs + x["seconds"]
-            btoks, bsecs = btoks + bt, bsecs + bs
+            toks, secs = toks + x["tokens"], secs + xs
+            btoks, bsecs = btoks + b["tokens"], bsecs + b["seconds"]
             same += x["token_ids"] == b["token_ids"]
         total = f"{(toks / secs) / (btoks / bsecs):.2f}x" if secs and bsecs else "-"
         ident = f"{same}/{len(r['runs'])}" if mode == "greedy" else "n/a"
@@ -390,10 +389,12 @@ def summarize(rows):
         base = ref.get(mode, {})
         base_toks = sum(base[x["prompt"]]["tokens"] for x in runs if x["prompt"] in base)
         base_secs = sum(base[x["prompt"]]["seconds"] for x in runs if x["prompt"] in base)
-        if runs and all("paired_target" in x for x in runs):  # --paired: each run's own neighbour
-            base_toks = sum(x["paired_target"][0] for x in runs)
-            base_secs = sum(x["paired_target"][1] for x in runs)
-            row["paired_median_ratios"] = [round(statistics.median(x["paired_ratios"]), 3) for x in runs]
+        if base_secs and runs and all(x.get("paired_ratios") and x["prompt"] in base for x in runs):
+            # --paired: each prompt at the median of its neighbours' ratios, weighed by its target-only time
+            med = [statistics.median(x["paired_ratios"]) for x in runs]
+            tps = toks / sum(x["tokens"] / (m * base[x["prompt"]]["tokens"] / base[x["prompt"]]["seconds"])
+                             for x, m in zip(runs, med))
+            row["paired_median_ratios"] = [round(m, 3) for m in med]
         if base_secs and tps:
             row["speedup_vs_target_only"] = round(tps / (base_toks / base_secs), 3)
         if mode == "greedy":

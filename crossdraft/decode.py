@@ -14,6 +14,7 @@ edit (accepted proposals + the target's token, or a byte-exact re-tokenised tail
 from __future__ import annotations
 
 import codecs
+import json
 import threading
 import time
 from contextlib import nullcontext
@@ -218,7 +219,8 @@ class Decoder:
     """Speculative decoding over a verifier port and an optional drafter port."""
 
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
-                 max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None):
+                 max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
+                 round_log: str | None = None):
         self.pair = pair
         self.verifier = verifier
         self.drafter = drafter if pair.drafter_tok is not None else None
@@ -242,6 +244,9 @@ class Decoder:
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.hit_s,
         # hit_n, probe_sum, probe_n): a pair's drafter gets text right more or less often
         self._probes: dict[str, tuple[float, float, float, float]] = {}
+        # round_log (a path): one JSON line per round appended -- the policy's view and the round's
+        # times, for tracing what the cost model decided and why (the gateway's --round-log)
+        self._round_log = round_log or None
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -524,9 +529,32 @@ class Decoder:
                 self._probes[req.mode] = (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n)
         overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
         stats.overhead_s += overhead
+        if self._round_log:
+            self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall)
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps)
+
+    def _log_round(self, req: _Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
+                   verify_s: float) -> None:
+        pol = req.policy
+        rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
+               "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,
+               "draft_s": round(draft_s, 4), "verify_s": round(verify_s, 4),
+               "queue_wait_s": round(getattr(res, "queue_wait_s", 0.0), 4),
+               "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
+               "running": self._running}
+        if req.spec:
+            rec.update(load=round(pol.batch, 2), alpha=round(pol.alpha(), 3), scale_d=round(pol.scale_d, 3),
+                       scale_v=round(pol.scale_v, 3), steps_per_token=round(pol.steps_per_token(), 3),
+                       probing=pol.probing, interval=pol.interval)
+        line = json.dumps(rec) + "\n"
+        with self._lock:
+            try:
+                with open(self._round_log, "a", encoding="utf-8") as f:
+                    f.write(line)
+            except OSError:
+                self._round_log = None  # a log that cannot be written is dropped, never the request
 
     def _draft_step(self, req: _Request, kk: int, remaining: int, round_index: int) -> _Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

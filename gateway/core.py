@@ -55,6 +55,7 @@ class GatewayConfig:
     drafter_tokenizer: str | None = None  # tokenizer of the drafter (default: the drafter's model name)
     session_ttl_s: float = 3600.0  # sessions expire after this long unused
     drafter_timeout_s: float = 10.0  # deadline of one Draft call; past it the request goes on target-only
+    round_log: str | None = None  # a file: one JSON line per round appended (the cost model's view; tracing)
     verifier_timeout_s: float = 120.0  # deadline of one Verify call
     max_new_tokens_limit: int = 4096  # largest max_new_tokens accepted
     default_max_new_tokens: int = 64  # when a request gives none
@@ -383,7 +384,8 @@ class Gateway:
                 v = self.placement.client("verifier", v_addr)
                 d = self.placement.client("drafter", d_addr) if d_addr else None
                 dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
-                                                    check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s)
+                                                    check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
+                                                    round_log=self.cfg.round_log)
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------

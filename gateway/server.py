@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-tokenizer", default=_env("DRAFTER_TOKENIZER", None), help="default: the drafter's model")
     p.add_argument("--session-ttl-s", type=float, default=float(_env("SESSION_TTL_S", 3600)))
     p.add_argument("--drafter-timeout-s", type=float, default=float(_env("DRAFTER_TIMEOUT_S", 10)))
+    p.add_argument("--round-log", default=_env("ROUND_LOG", "") or None,
+                   help="append one JSON line per round to this file: blocks drafted and accepted, times, and the "
+                        "cost model's view (load, acceptance, scales) -- for tracing its decisions")
     p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
     p.add_argument("--default-max-new-tokens", type=int, default=int(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
@@ -140,6 +143,7 @@ def config_from_args(a) -> GatewayConfig:
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
+                         round_log=a.round_log,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,

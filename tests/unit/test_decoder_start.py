@@ -323,3 +323,28 @@ def test_a_text_mode_request_prices_its_first_block_with_the_prompts_two_spellin
     seen.clear()
     eng.generate(PROMPT, max_new_tokens=6, params=SamplingParams(temperature=0.8), seed=3)
     assert seen == [("tli", 1.0)]
+
+
+def test_a_round_log_gets_one_line_per_round_with_the_policys_view(eng, tmp_path, monkeypatch):
+    """--round-log (the gateway) / Decoder(round_log=): one JSON line per round, as the request saw it;
+    the gateway's flag and its environment variable reach the config."""
+    import json
+
+    from crossdraft.decode import Decoder
+    from gateway.server import build_parser, config_from_args
+
+    path = tmp_path / "rounds.jsonl"
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    dec = Decoder(eng.pair, eng.verifier, eng.drafter_worker, eos_ids=(), round_log=str(path))
+    run = dec.run("logged", eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT), max_new_tokens=20,
+                  params=SamplingParams(), seed=0, draft=DraftConfig())
+    evs = list(run)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["round"] for x in lines] == [e.round_index for e in evs]
+    assert [(x["drafted"], x["accepted"]) for x in lines] == [(e.drafted, e.accepted) for e in evs]
+    assert all(x["sid"] == "logged" and x["mode"] == "text" and "load" in x and "alpha" in x for x in lines)
+    assert sum(x["drafted"] for x in lines) == run.result.stats.drafted > 0
+    assert config_from_args(build_parser().parse_args(["--verifier", "v:1", "--redis-url", "redis://r", "--round-log", "/x"])).round_log == "/x"
+    monkeypatch.setenv("CROSSDRAFT_ROUND_LOG", "/y")
+    assert config_from_args(build_parser().parse_args(["--verifier", "v:1", "--redis-url", "redis://r"])).round_log == "/y"
