@@ -345,6 +345,7 @@ def test_a_round_log_gets_one_line_per_round_with_the_policys_view(eng, tmp_path
     assert [(x["drafted"], x["accepted"]) for x in lines] == [(e.drafted, e.accepted) for e in evs]
     assert all(x["sid"] == "logged" and x["mode"] == "text" and "load" in x and "alpha" in x for x in lines)
     assert sum(x["drafted"] for x in lines) == run.result.stats.drafted > 0
-    assert config_from_args(build_parser().parse_args(["--verifier", "v:1", "--redis-url", "redis://r", "--round-log", "/x"])).round_log == "/x"
+    args = ["--verifier", "v:1", "--redis-url", "redis://r"]
+    assert config_from_args(build_parser().parse_args([*args, "--round-log", "/x"])).round_log == "/x"
     monkeypatch.setenv("CROSSDRAFT_ROUND_LOG", "/y")
-    assert config_from_args(build_parser().parse_args(["--verifier", "v:1", "--redis-url", "redis://r"])).round_log == "/y"
+    assert config_from_args(build_parser().parse_args(args)).round_log == "/y"
