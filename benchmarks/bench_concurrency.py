@@ -171,29 +171,39 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
     out = {"label": label, "code": str(code), "points": []}
     try:
         one_request(stack.url, "def warm_up(x):\n", a, 0.0, True, 0)  # load, time the costs, JIT paths
-        modes = [m for m in (modes_list or a.modes).split(",") if m]
-        for mode in modes:
-            use_drafter = mode == "spec"
-            if use_drafter and not a.drafter:
-                continue
-            for temperature in [float(x) for x in a.temperatures.split(",")]:
-                alone = None
-                for clients in [int(x) for x in (clients_list or a.clients).split(",")]:
-                    p = point(stack.url, ps, a, clients, temperature, use_drafter)
+        modes = [m for m in (modes_list or a.modes).split(",") if m and (m != "spec" or a.drafter)]
+        alone: dict[tuple, dict] = {}  # (mode, temperature) -> texts at the first client count
+        for temperature in [float(x) for x in a.temperatures.split(",")]:
+            for clients in [int(x) for x in (clients_list or a.clients).split(",")]:
+                # the modes side by side at each client count, --repeats times in alternating order: on
+                # a shared machine whose speed drifts, neighbours are what a ratio can be taken of
+                reps: dict[str, list[dict]] = {m: [] for m in modes}
+                for rep in range(a.repeats):
+                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                        reps[mode].append(point(stack.url, ps, a, clients, temperature, mode == "spec"))
+                for mode in modes:
+                    runs = reps[mode]
+                    p = dict(sorted(runs, key=lambda x: x["tokens_per_s"])[(len(runs) - 1) // 2])  # median
                     p.update(mode=mode, temperature=temperature)
+                    if len(runs) > 1:
+                        p["repeat_tokens_per_s"] = [round(x["tokens_per_s"], 3) for x in runs]
+                    if mode == "spec" and "target" in reps:
+                        p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
+                                                   for x, y in zip(runs, reps["target"]) if y["tokens_per_s"]]
                     if temperature == 0.0:
-                        texts = p["texts"]
-                        if alone is None:
-                            alone = {i % len(ps): t for i, t in texts.items()}
-                        same = [t == alone.get(i % len(ps)) for i, t in texts.items() if i % len(ps) in alone]
+                        first = alone.setdefault((mode, temperature),
+                                                 {i % len(ps): t for i, t in runs[0]["texts"].items()})
+                        same = [t == first.get(i % len(ps)) for x in runs for i, t in x["texts"].items()
+                                if i % len(ps) in first]
                         p["greedy_identical"] = f"{sum(same)}/{len(same)}"
                     del p["texts"]
                     out["points"].append(p)
+                    paired = p.get("paired_spec_target")
                     print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: "
                           f"{p['tokens_per_s']:7.2f} tok/s  "
                           f"p50 {p['p50_latency_s']:6.2f} s  p95 {p['p95_latency_s']:6.2f} s  "
-                          f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}",
-                          flush=True)
+                          f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}"
+                          + (f"  spec/target by repeat {paired}" if paired else ""), flush=True)
     finally:
         stack.stop()
     return out
@@ -229,6 +239,10 @@ def summary(res: dict) -> None:
                 txt = f"{c}c"
                 if s and t:
                     txt += f" spec/target {s / t:.2f}x"
+                    pr = next((p.get("paired_spec_target") for p in v["points"] if p["mode"] == "spec"
+                               and p["temperature"] == temp and p["clients"] == c), None)
+                    if pr and len(pr) > 1:
+                        txt += f" (median of neighbours {statistics.median(pr):.2f}x)"
                 if s and one:
                     txt += f", spec/own-{cs[0]}c {s / one:.2f}x"
                 if s and len(vs) > 1 and v is vs[0]:
@@ -278,6 +292,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every point this many times, the modes side by side in alternating order; a point is "
+                         "its median run, and spec/target is also given as the median of neighbours' ratios")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--baseline", default="", help="git revision of the code to compare with (run from a worktree)")
     ap.add_argument("--unseeded", action="store_true", help="sampling requests without a seed")
@@ -307,7 +324,7 @@ def main() -> None:
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
                     "prompts": len(ps), **git_commit(), "baseline": a.baseline, "unbatched": a.unbatched,
-                    "seeded_sampling": not a.unseeded,
+                    "seeded_sampling": not a.unseeded, "repeats": a.repeats,
                     "time": time.strftime("%Y-%m-%d %H:%M")},
            "versions": versions}
     out = Path(a.out)
