@@ -363,12 +363,6 @@ class Decoder:
                 self._send_mask(req.mode)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
                 stats.cost_model = "measured" if req.policy.measured else "static"
-                if req.text_mode:
-                    # text mode re-encodes the drafter's text: one target token costs as many drafter
-                    # steps as the drafter spells it in tokens. The prompt, spelt in both vocabularies,
-                    # is the first measure of that (SmolLM2 spells a Chinese character the Qwen target
-                    # has as one token in 2-3); the blocks' own counts then take over
-                    req.policy.prior_steps(len(req.d.ids), len(req.t_ids))
             except (Unavailable, ResourceExhausted, InvalidArgument) as e:
                 # the drafter is optional: whatever it cannot do, the target does alone (the request
                 # itself was checked against the target, which is what decides the output)

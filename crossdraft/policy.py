@@ -182,12 +182,6 @@ class DraftPolicy:
             self.step_sum = d * self.step_sum + steps
             self.tok_sum = d * self.tok_sum + tokens
 
-    def prior_steps(self, drafter_tokens: int, target_tokens: int) -> None:
-        """Text drafting: the same text is `drafter_tokens` drafter tokens and `target_tokens` target
-        tokens (a request's prompt): the prior of :meth:`steps_per_token`, of the weight of one block."""
-        if drafter_tokens > 0 and target_tokens > 0:
-            self.step_sum, self.tok_sum = min(8.0, max(0.25, drafter_tokens / target_tokens)), 1.0
-
     def steps_per_token(self) -> float:
         """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""
         return min(8.0, max(0.25, self.step_sum / max(1e-6, self.tok_sum)))

@@ -217,26 +217,6 @@ def test_text_drafting_prices_the_drafter_steps_each_target_token_costs():
     assert pol.steps_per_token() == 0.25  # bounded
 
 
-def test_the_prompts_two_spellings_are_the_prior_of_the_steps_per_token():
-    """Before its first block, a text-mode request knows its prompt in both vocabularies: a drafter
-    that spells it in 2.5x the target's tokens is priced at 2.5 steps per drafted token from the
-    start (the first block and the probes after it), not at 1 until blocks have taught it; the
-    blocks' own counts then take over."""
-    plain = DraftPolicy(DraftConfig(), 0.2, verify_costs=FLAT_TABLE, measured=True)
-    pol = DraftPolicy(DraftConfig(), 0.2, verify_costs=FLAT_TABLE, measured=True)
-    pol.prior_steps(50, 20)
-    assert pol.steps_per_token() == pytest.approx(2.5)
-    assert pol.probe_cost(30) > plain.probe_cost(30) and pol.rate(3) < plain.rate(3)
-    for _ in range(12):
-        pol.observe_steps(3, 3)  # the completion's text is spelt alike in both
-    assert pol.steps_per_token() < 1.1
-    pol.prior_steps(0, 5)  # nothing to measure: unchanged
-    pol.prior_steps(5, 0)
-    assert pol.steps_per_token() < 1.1
-    pol.prior_steps(500, 5)
-    assert pol.steps_per_token() == 8.0  # bounded
-
-
 def test_a_costlier_verification_of_longer_blocks_asks_for_surer_blocks():
     """The cumulative threshold counts the verification's extra cost per drafted token: flat on a
     GPU or with native bf16, steep on a CPU computing in fp32."""
