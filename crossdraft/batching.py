@@ -516,15 +516,14 @@ def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
     sizes = [len(j.tokens) for j in batch]
     best = total(sizes, [])  # (whole: the cut must be clearly cheaper to win)
     keep = None
-    for L in lens:
-        for short in (True, False):  # rows <= L (L >= the oldest's), or rows >= L (L <= the oldest's)
-            if (short and L < first) or (not short and L > first) or (short and L == lens[-1]) or \
-                    (not short and L == lens[0]):
-                continue
-            inside = [(n <= L) if short else (n >= L) for n in sizes]
-            c = total([n for n, x in zip(sizes, inside) if x], [n for n, x in zip(sizes, inside) if not x])
-            if c < 0.9 * best:
-                best, keep = c, inside
+    # the cuts that keep the oldest row and leave rows for later: rows <= L (first <= L < longest),
+    # or rows >= L (shortest < L <= first)
+    cuts = [(L, True) for L in lens if first <= L < lens[-1]] + [(L, False) for L in lens if lens[0] < L <= first]
+    for L, short in sorted(cuts, key=lambda c: (c[0], not c[1])):  # (by length; at a tie the first wins)
+        inside = [(n <= L) if short else (n >= L) for n in sizes]
+        c = total([n for n, x in zip(sizes, inside) if x], [n for n, x in zip(sizes, inside) if not x])
+        if c < 0.9 * best:
+            best, keep = c, inside
     if keep is None:
         return batch, []
     return [j for j, x in zip(batch, keep) if x], [j for j, x in zip(batch, keep) if not x]
