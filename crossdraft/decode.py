@@ -220,7 +220,7 @@ class Decoder:
 
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
                  max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
-                 round_log: str | None = None):
+                 round_log: str | None = None, colocated: bool = True):
         self.pair = pair
         self.verifier = verifier
         self.drafter = drafter if pair.drafter_tok is not None else None
@@ -237,6 +237,12 @@ class Decoder:
         # requests in this Decoder's round loop now: a lower bound on the verifier's load that a
         # burst of new requests sees before any of their rounds has reported it
         self._running = 0
+        # those requests (id -> request): what the others do (how many draft, their acceptance) is part
+        # of what a block costs under load (DraftPolicy.rate)
+        self._reqs: dict[int, _Request] = {}
+        # whether the drafter computes on the verifier's hardware (its steps then stall every session's
+        # verification): in process, or both servers on this host; the gateway's --colocated
+        self.colocated = bool(colocated)
         self._lock = threading.Lock()
         # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
         # rounds corrected them: a new request starts from there instead of from the cost tables
@@ -385,6 +391,7 @@ class Decoder:
         if req.spec and pol.measured and req.draft.adaptive and req.draft.allow_skip:
             # the load: what the latest rounds saw, at least the requests in this loop now
             pol.batch = max(self._load, float(self._running))
+            self._peers(req)
             if not pol.could_pay():
                 # not even a 90% acceptance would pay (at this load, or a drafter nearly as costly as
                 # its target): start target-only; alone, probe at the slowest pace (the costs may be
@@ -422,11 +429,27 @@ class Decoder:
         run.drafter_ids = req.d.ids if req.d else None
         with self._lock:
             self._running += 1
+            self._reqs[id(req)] = req
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
             with self._lock:
                 self._running -= 1
+                self._reqs.pop(id(req), None)
+
+    def _peers(self, req: _Request) -> None:
+        """Measured costs: tell the request's policy what the other requests in this loop do now --
+        how many draft (their next block is not empty) and their mean acceptance estimate -- and
+        whether the drafter shares the verifier's hardware. Sessions of other gateways count as
+        not drafting (the verifier's load includes them; their drafting is not known here)."""
+        pol = req.policy
+        if pol is None or not pol.measured:
+            return
+        with self._lock:
+            others = [r for r in self._reqs.values() if r is not req and r.spec and r.policy is not None]
+        pol.others = float(sum(1 for r in others if r.k > 0))
+        pol.peer_alpha = sum(r.policy.alpha() for r in others) / len(others) if others else None
+        pol.colocated = self.colocated
 
     def _loop(self, run: Run, req: _Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
@@ -517,6 +540,7 @@ class Decoder:
             # what the drafter would be fed before its next block (all of its ids if it never
             # had the session; else what it does not hold yet)
             feed = len(d.ids) if not d.synced else len(d.ids) - d.sent
+            self._peers(req)
             req.k = req.policy.next_k(req.max_new_tokens - len(req.gen), feed)
             pol = req.policy
             if pol.measured and kd > 0:
@@ -539,7 +563,9 @@ class Decoder:
                "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
                "running": self._running}
         if req.spec:
-            rec.update(load=round(pol.batch, 2), alpha=round(pol.alpha(), 3), scale_d=round(pol.scale_d, 3),
+            rec.update(load=round(pol.batch, 2), others_drafting=pol.others,
+                       peer_alpha=None if pol.peer_alpha is None else round(pol.peer_alpha, 3),
+                       alpha=round(pol.alpha(), 3), scale_d=round(pol.scale_d, 3),
                        scale_v=round(pol.scale_v, 3), steps_per_token=round(pol.steps_per_token(), 3),
                        probing=pol.probing, interval=pol.interval)
         line = json.dumps(rec) + "\n"

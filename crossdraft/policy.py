@@ -130,6 +130,13 @@ class DraftPolicy:
             self.d = [x / self.d[0] for x in self.d]
         self.measured = measured
         self.batch = 1.0  # rows of the verifier's batches this session's rounds ran in (measured mode)
+        # many sessions (measured mode; the Decoder sets these each round): how many of the OTHER
+        # sessions sharing the forwards draft now (None: unknown -- price as if all drafted alike), their
+        # mean acceptance estimate (None: as this session's), and whether the drafter computes on the
+        # verifier's hardware (its steps then stall every session's forwards, not only this one's round)
+        self.others: float | None = None
+        self.peer_alpha: float | None = None
+        self.colocated = True
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
         self.skipped = 0
@@ -220,18 +227,76 @@ class DraftPolicy:
             ratio = min(self.max_scale, max(1 / self.max_scale, ratio))
             self.scale_d = math.exp(w * math.log(self.scale_d) + (1 - w) * math.log(ratio))
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per target decoding step with a block of k (k = 0: target-only = 1)."""
-        a = self.alpha()
-        e = (1 - a ** (k + 1)) / (1 - a)
-        if k == 0:
+    @staticmethod
+    def _tokens(a: float, k: int) -> float:
+        """E(k): tokens a block of k yields at acceptance a (the accepted drafts and the target's own)."""
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def _load(self) -> tuple[float, float]:
+        """(b, n): the sessions sharing the forwards and how many would draft with this one (itself
+        included): all b where the others' drafting is unknown (the rule before it was measured)."""
+        b = self.batch if self.measured else 1.0
+        if self.others is None or b <= 1.0:
+            return b, b
+        return b, min(b, 1.0 + max(0.0, self.others))
+
+    def _vround(self, b: float, n: float, m: float) -> float:
+        """The verification of a round in which n of b sessions send blocks of m tokens (the others
+        one token), in target steps: padded to one forward of b x m, or the blocks in a forward of their
+        own beside the others' -- whichever is cheaper (what the scheduler's split chooses)."""
+        if n <= 0:
+            return self.vcost(b)
+        pad = self.vcost(b * m)
+        if n >= b - 1e-9:
+            return pad
+        return min(pad, self.vcost(n * m) + self.vcost(b - n))
+
+    def _agg(self, k: int, e: float, n: float, b: float, c: float) -> float:
+        """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (each
+        yielding e tokens) and the rest do not, relative to all b target-only. Non-drafters' rounds
+        wait for the drafters' steps only where the drafter shares the verifier's hardware."""
+        if n <= 0:
             return 1.0
         sv = self.scale_v
-        b = self.batch if self.measured else 1.0
-        # per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
+        v = sv * self._vround(b, n, k + 1)
+        dr = k * c * self.dcost(n)
+        tn = v + (dr if self.colocated else 0.0)
+        return ((b - n) / tn + n * e / (v + dr)) * sv * self.vcost(b) / b
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per target decoding step with a block of k (k = 0: target-only = 1).
+
+        One session alone: E(k) tokens for v(k + 1) + k drafter steps, against one token for v(1).
+        Many (b sessions share the forwards, measured costs): the better of two views. (a) What this
+        session's drafting adds to the machine's output, given how many others draft now: 1 + b x
+        (the aggregate with it drafting - without), the aggregate from :meth:`_agg` -- a lone drafter
+        among 15 sessions that do not costs a forward of its own (or pads everyone) and, on shared
+        hardware, drafter steps that stall them all, which a 1/b share of a batch-wide cost hid.
+        (b) Everyone drafting alike, each at its own acceptance estimate (``peer_alpha``): b x E
+        tokens for v(b(k + 1)) + k drafter steps of b rows -- where that pays (flat GPU tables) the
+        sessions move there together even from a state where none drafts (there a lone drafter,
+        pricing (a) alone, would never start). Without the others' counts only (b) is priced, with
+        this session's estimate for all (the rule before they were measured)."""
+        if k == 0:
+            return 1.0
+        a = self.alpha()
+        e = self._tokens(a, k)
+        sv = self.scale_v
+        b, n = self._load()
+        c = self.c * self.scale_d * self.steps_per_token()
+        # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
         # against b tokens for v(b) (target-only); b = 1 is one session alone
-        c = self.c * self.scale_d * self.dcost(b) * self.steps_per_token()
-        return e * sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c)
+        per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
+        if n >= b:
+            return e * per
+        alone = 1.0 + b * (self._agg(k, e, n, b, c) - self._agg(k, e, n - 1.0, b, c))
+        # everyone drafting counts only where the others would join: drafting together must pay at
+        # their acceptance too (else they stay out and this session would draft alone after all)
+        pa = self.alpha() if self.peer_alpha is None else min(0.98, max(0.02, self.peer_alpha))
+        ep = self._tokens(pa, k)
+        if ep * per < (self.margin if self.measured else 1.0):
+            return max(1e-3, alone)  # (the marginal view can fall below zero: a ratio of rates is not)
+        return max(alone, (e + (b - 1.0) * ep) / b * per)
 
     def cumulative_stop(self) -> float:
         """The threshold of the block's cumulative drafter probability below which the drafter stops.
@@ -241,12 +306,17 @@ class DraftPolicy:
         the step would give elsewhere (~1.4 c_eff, tuned on recorded traces; capped at 0.9)."""
         if self.cfg.stop_cumulative is not None:
             return self.cfg.stop_cumulative
-        b = self.batch if self.measured else 1.0
+        b, n = self._load()
+        # this session's share of the round's costs where n of b sessions draft: the verification's
+        # extra and (on shared hardware) the drafter's steps are the drafters', b/n each in units of a
+        # session's target step (b = n: everyone alike)
+        share = b / n
         # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
-        c_eff = self.c * self.scale_d * self.dcost(b) * self.steps_per_token() / (self.scale_v * self.vcost(b))
+        c_eff = (self.c * self.scale_d * self.dcost(n) * self.steps_per_token() * (share if self.colocated else 1.0)
+                 / (self.scale_v * self.vcost(b)))
         # and a longer block costs a longer verification: the mean extra cost of one more token over
         # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
-        dv = max(0.0, self.vcost(b * (self.hi + 1)) - self.vcost(b)) / (self.hi * self.vcost(b))
+        dv = share * max(0.0, self._vround(b, n, self.hi + 1) - self.vcost(b)) / (self.hi * self.vcost(b))
         return min(0.9, 1.4 * (c_eff + dv))
 
     def pays(self) -> bool:
@@ -283,12 +353,13 @@ class DraftPolicy:
         of the block (:meth:`probe_len` tokens; more steps per token in text mode), and the
         verification that much longer. (Pricing one drafted token underpriced probes ~3x on a CPU
         in fp32, where verifying 3-5 tokens costs 2-3 decoding steps.)"""
-        b = self.batch if self.measured else 1.0
+        b, nd = self._load()
+        share = b / nd  # (as in cumulative_stop)
         sv, vb = self.scale_v, self.vcost(b)
         n = self.probe_len()
         steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
-        drafter = self.c * self.scale_d * self.dcost(b) * steps
-        return (drafter + sv * max(0.0, self.vcost(b * (n + 1)) - vb)) / (sv * vb)
+        drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
+        return (drafter + sv * share * max(0.0, self._vround(b, nd, n + 1) - vb)) / (sv * vb)
 
     def saving(self, alpha: float = 0.9) -> float:
         """The share of a target step per generated token that drafting would save at a high

@@ -56,6 +56,10 @@ class GatewayConfig:
     session_ttl_s: float = 3600.0  # sessions expire after this long unused
     drafter_timeout_s: float = 10.0  # deadline of one Draft call; past it the request goes on target-only
     round_log: str | None = None  # a file: one JSON line per round appended (the cost model's view; tracing)
+    # whether a drafter computes on its verifier's hardware (its steps then stall every session's
+    # verification; the draft-length policy prices a lone drafter under load by that): "auto" = both
+    # addresses on this host's loopback or the same host, "yes", "no"
+    colocated: str = "auto"
     verifier_timeout_s: float = 120.0  # deadline of one Verify call
     max_new_tokens_limit: int = 4096  # largest max_new_tokens accepted
     default_max_new_tokens: int = 64  # when a request gives none
@@ -385,7 +389,8 @@ class Gateway:
                 d = self.placement.client("drafter", d_addr) if d_addr else None
                 dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
                                                     check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
-                                                    round_log=self.cfg.round_log)
+                                                    round_log=self.cfg.round_log,
+                                                    colocated=colocated(self.cfg.colocated, v_addr, d_addr))
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------
@@ -820,3 +825,34 @@ class Job:
 
 __all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "add_stats", "check_api_key", "check_utf8",
            "key_owner", "validate_messages", "validate_options"]
+
+
+_LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
+
+
+def _host(addr: str) -> str:
+    """The host part of a gRPC target (host:port, [v6]:port, dns:///host:port, ipv4:host:port)."""
+    a = addr.strip()
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if a.startswith(scheme):
+            a = a[len(scheme):]
+    if a.startswith("["):
+        return a[1:a.find("]")].lower() if "]" in a else a.lower()
+    if a.count(":") == 1:
+        a = a.split(":", 1)[0]
+    return a.lower()
+
+
+def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
+    """Whether the drafter at d_addr computes on the same hardware as the verifier at v_addr: "yes",
+    "no", or "auto" -- both on this host's loopback, or the same host."""
+    if setting in ("yes", "no"):
+        return setting == "yes"
+    if not d_addr:
+        return False
+    hv, hd = _host(v_addr), _host(d_addr)
+
+    def local(h: str) -> bool:
+        return h in _LOOPBACK or h.startswith("127.")
+
+    return (local(hv) and local(hd)) or (hv == hd and hv != "")

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round-log", default=_env("ROUND_LOG", "") or None,
                    help="append one JSON line per round to this file: blocks drafted and accepted, times, and the "
                         "cost model's view (load, acceptance, scales) -- for tracing its decisions")
+    p.add_argument("--colocated", choices=("auto", "yes", "no"), default=_env("COLOCATED", "auto"),
+                   help="whether the drafters compute on their verifiers' hardware (their steps then stall the "
+                        "verification of every session; the draft-length policy prices drafting under load by it): "
+                        "auto = both addresses on the loopback or the same host")
     p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
     p.add_argument("--default-max-new-tokens", type=int, default=int(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
@@ -112,6 +116,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("default_max_new_tokens", f"must be in [1, {a.max_new_tokens_limit}]")
     if not a.default_temperature >= 0:
         raise InvalidArgument("default_temperature", "must be >= 0")
+    if a.colocated not in ("auto", "yes", "no"):
+        raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
     if a.max_concurrent_requests < 1:
         raise InvalidArgument("max_concurrent_requests", f"must be >= 1, got {a.max_concurrent_requests}")
     if a.max_queued_requests < 0:
@@ -143,7 +149,7 @@ def config_from_args(a) -> GatewayConfig:
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                         round_log=a.round_log,
+                         round_log=a.round_log, colocated=a.colocated,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,

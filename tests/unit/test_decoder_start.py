@@ -327,3 +327,53 @@ def test_a_round_log_gets_one_line_per_round_with_the_policys_view(eng, tmp_path
     assert config_from_args(build_parser().parse_args([*args, "--round-log", "/x"])).round_log == "/x"
     monkeypatch.setenv("CROSSDRAFT_ROUND_LOG", "/y")
     assert config_from_args(build_parser().parse_args(args)).round_log == "/y"
+
+
+def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch):
+    """Each round tells the request's policy how many of the other running requests draft now
+    (their next block is not empty) and their mean acceptance estimate; the one request itself is
+    not counted, and requests without a drafter (or with static costs) are left out."""
+    from crossdraft.decode import _Request
+
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    dec = eng.decoder
+    pol, _ = dec._policy("text", DraftConfig(), SamplingParams())
+    others = []
+    for i, (k, alpha, spec) in enumerate(((3, 0.9, True), (0, 0.5, True), (2, 0.1, False))):
+        p, _ = dec._policy("text", DraftConfig(), SamplingParams())
+        p.succ, p.trials = alpha, 1.0
+        others.append(_Request(f"o{i}", [1], 8, SamplingParams(), 0, DraftConfig(), None, spec, policy=p, k=k))
+    me = _Request("me", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=pol, k=4)
+    dec._reqs = {id(r): r for r in [*others, me]}
+    try:
+        dec._peers(me)
+    finally:
+        dec._reqs = {}
+    assert pol.others == 1.0 and pol.peer_alpha == pytest.approx(0.7) and pol.colocated
+    static, _ = dec._policy("text", DraftConfig(cost_model="static"), SamplingParams())
+    dec._peers(_Request("s", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=static))
+    assert static.others is None  # static costs: the rule that depends on the generated tokens only
+
+
+def test_the_gateway_tells_whether_a_drafter_shares_its_verifiers_hardware(monkeypatch):
+    """--colocated auto: both model servers on the loopback (or one host) share it; yes / no say so;
+    anything else is refused naming the flag."""
+    from crossdraft.errors import InvalidArgument
+    from gateway.core import colocated
+    from gateway.server import build_parser, config_from_args
+
+    assert colocated("auto", "127.0.0.1:50061", "localhost:50062")
+    assert colocated("auto", "[::1]:1", "127.0.0.2:2")
+    assert colocated("auto", "10.0.0.5:1", "10.0.0.5:2")
+    assert not colocated("auto", "verifier.ns.svc:50051", "drafter.ns.svc:50051")
+    assert not colocated("auto", "127.0.0.1:1", "drafter:2")
+    assert not colocated("auto", "127.0.0.1:1", None)
+    assert colocated("yes", "a:1", "b:2") and not colocated("no", "127.0.0.1:1", "127.0.0.1:2")
+    args = ["--verifier", "v:1", "--redis-url", "redis://r"]
+    assert config_from_args(build_parser().parse_args(args)).colocated == "auto"
+    assert config_from_args(build_parser().parse_args([*args, "--colocated", "no"])).colocated == "no"
+    monkeypatch.setenv("CROSSDRAFT_COLOCATED", "maybe")
+    with pytest.raises(InvalidArgument) as e:
+        config_from_args(build_parser().parse_args(args))
+    assert e.value.field == "colocated"

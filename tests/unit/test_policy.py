@@ -487,3 +487,77 @@ def test_a_record_of_misses_relaxes_request_by_request_until_a_probe_is_worth_it
         n += 1
         need.append(p.probe_odds() * p.probe_cost() / p.saving())
     assert 5 <= n <= 20 and need == sorted(need, reverse=True), (n, need)
+
+
+# ---- many sessions: what the others do (DraftPolicy.others / peer_alpha / colocated) -------------
+
+def _loaded(v, d, c, rows, others, peer, alpha, colocated=True):
+    p = DraftPolicy(DraftConfig(), c, verify_costs=v, drafter_costs=d, measured=True)
+    p.batch, p.others, p.peer_alpha, p.colocated = float(rows), others, peer, colocated
+    p.succ, p.trials = alpha, 1.0
+    return p
+
+
+# this CPU in bf16 (qwen2.5-coder-1.5b / its 0.5b drafter, int8 weights): flat up to ~16 tokens, then
+# in proportion to them (1..64 tokens, ms, rounded from the model servers' timings)
+QWEN_BF16 = [131, 131, 133, 135, 136, 137, 138, 139, 141, 143, 150, 155, 158, 161, 165, 169] + \
+    [169 + 4.7 * i for i in range(1, 49)]
+QWEN05_INT8 = [25.5, 26, 26.5, 27.3] + [27.3 + 4.5 * i for i in range(1, 61)]
+
+
+def test_one_session_alone_is_priced_as_before_whatever_is_known_of_others():
+    """One session: the others' counts change nothing (there are none), nor does the flag."""
+    for alpha in (0.2, 0.6, 0.9):
+        ref = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 1, None, None, alpha)
+        for others, peer, co in ((0.0, None, True), (0.0, 0.3, False)):
+            p = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 1, others, peer, alpha, co)
+            assert [p.rate(k) for k in range(11)] == pytest.approx([ref.rate(k) for k in range(11)])
+            assert p.cumulative_stop() == pytest.approx(ref.cumulative_stop())
+            assert p.probe_cost(5) == pytest.approx(ref.probe_cost(5))
+
+
+def test_a_lone_drafter_among_sessions_that_do_not_draft_pays_for_the_whole_extra():
+    """16 sessions on this CPU, one of them on text its drafter gets right (86%), the others near
+    the prior and not drafting: pricing a 1/16 share of a batch-wide block (the rule before the
+    others were counted) drafts; counting what one lone block costs the machine -- a forward of its
+    own or padding for all, and drafter steps that stall everyone on shared cores -- does not."""
+    old = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 8, None, None, 0.86)
+    new = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 8, 0.0, 0.3, 0.86)
+    assert old.pays() and not new.pays()
+    assert all(new.rate(k) < 1.0 for k in range(1, 11))
+    # its probes cost the others' time too: dearer than a share of a batch-wide probe
+    assert new.probe_cost() > 2 * old.probe_cost()
+    # where all the others draft as well, it is the rule before (everyone alike)
+    together = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 8, 7.0, 0.86, 0.86)
+    assert [together.rate(k) for k in range(11)] == pytest.approx([old.rate(k) for k in range(11)])
+    # and a rate is never below zero: the probes' saving stays a share of a step
+    assert all(new.rate(k) > 0 for k in range(11)) and 0.0 <= new.saving() < 1.0
+
+
+def test_on_a_gpu_a_drafter_on_its_own_hardware_drafts_alone_and_a_shared_one_does_not():
+    """Flat tables (a GPU): a lone block's verification is nearly free. With the drafter on its own
+    GPU its steps delay only its session, so it drafts among 15 that do not; on the verifier's GPU
+    its steps stall all 16 sessions, and alone it does not."""
+    own = _loaded(GPU_V, GPU_D, 0.3, 16, 0.0, 0.2, 0.8, colocated=False)
+    shared = _loaded(GPU_V, GPU_D, 0.3, 16, 0.0, 0.2, 0.8, colocated=True)
+    assert own.pays() and not shared.pays()
+    # below its own speedup alone: its block pads the others' forward a little (3% of 15 sessions' steps)
+    alone = _loaded(GPU_V, GPU_D, 0.3, 1, 0.0, None, 0.8, colocated=False)
+    assert 1.1 < max(own.rate(k) for k in range(1, 11)) < max(alone.rate(k) for k in range(1, 11))
+
+
+def test_on_a_shared_gpu_sessions_start_drafting_together_where_that_pays_for_all():
+    """Shared GPU, nobody drafting yet: a lone drafter would stall 16 sessions, but if the others'
+    acceptance says they would draft too, drafting together pays for all -- so they start (else
+    none ever would); where the others' acceptance says they would not join, it does not."""
+    joined = _loaded(GPU_V, GPU_D, 0.3, 16, 0.0, 0.8, 0.8, colocated=True)
+    lonely = _loaded(GPU_V, GPU_D, 0.3, 16, 0.0, 0.05, 0.8, colocated=True)
+    assert joined.pays() and not lonely.pays()
+
+
+def test_a_loaded_cpu_where_sessions_draft_together_at_high_acceptance_keeps_drafting():
+    """8 sessions on this CPU's bf16 tables (flat up to 16 tokens), all drafting at 86%: one-token
+    blocks for all pay (the forward of 16 tokens costs little more than of 8), whichever view."""
+    p = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 8, 7.0, 0.86, 0.86)
+    assert p.pays()
+    assert max(range(1, 11), key=p.rate) <= 2
