@@ -507,6 +507,10 @@ class Decoder:
                 # smaller count had more sessions draft -- seen: 16 clients at 0.53x of target-only.)
                 load = max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running)
                 req.policy.observe_batch(load)
+                # (the average follows the reports; the requests in the loop now are a floor it must not
+                # lag below: a burst's first requests started at a small load and, averaged up 30% a
+                # round, priced their first 4-5 rounds among 16 requests at a load of 3-9 -- seen)
+                req.policy.batch = max(req.policy.batch, float(self._running))
                 self._load = req.policy.batch
                 # wall-clock corrections (measured costs only). A block after skipped rounds first
                 # feeds the drafter what it missed, all in its first step's forward: its other

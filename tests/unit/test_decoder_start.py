@@ -279,6 +279,9 @@ def test_the_requests_running_in_the_loop_are_the_least_load_a_round_prices(eng,
     rows.clear()
     next(its[0])
     assert rows and min(rows) >= 3, rows
+    # and the policy's load itself (an average of the reports) does not lag below them
+    pol = next(r.policy for r in eng.decoder._reqs.values() if r.sid == "load-0")
+    assert pol.batch >= 3.0
     for r in runs:
         r.close()
 
