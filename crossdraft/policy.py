@@ -267,11 +267,14 @@ class DraftPolicy:
         """Expected tokens per target decoding step with a block of k (k = 0: target-only = 1).
 
         One session alone: E(k) tokens for v(k + 1) + k drafter steps, against one token for v(1).
-        Many (b sessions share the forwards, measured costs): the better of two views. (a) What this
-        session's drafting adds to the machine's output, given how many others draft now: 1 + b x
-        (the aggregate with it drafting - without), the aggregate from :meth:`_agg` -- a lone drafter
-        among 15 sessions that do not costs a forward of its own (or pads everyone) and, on shared
-        hardware, drafter steps that stall them all, which a 1/b share of a batch-wide cost hid.
+        Many (b sessions share the forwards, measured costs): the better of two views. (a) This
+        session's share of what the n sessions drafting now (it included) add to the machine's
+        output: 1 + b x (the aggregate with them drafting - all target-only) / n, the aggregate from
+        :meth:`_agg` -- a lone drafter among 15 sessions that do not costs a forward of its own (or
+        pads everyone) and, on shared hardware, drafter steps that stall them all, which a 1/b share
+        of a batch-wide cost hid. (An average, not the margin of one more drafter: once a few
+        sessions pay for a forward of their own, one more adds little to it, and a group that loses
+        as a whole kept itself drafting -- seen, 4 of 16 on this CPU.)
         (b) Everyone drafting alike, each at its own acceptance estimate (``peer_alpha``): b x E
         tokens for v(b(k + 1)) + k drafter steps of b rows -- where that pays (flat GPU tables) the
         sessions move there together even from a state where none drafts (there a lone drafter,
@@ -289,7 +292,7 @@ class DraftPolicy:
         per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
         if n >= b:
             return e * per
-        alone = 1.0 + b * (self._agg(k, e, n, b, c) - self._agg(k, e, n - 1.0, b, c))
+        alone = 1.0 + b * (self._agg(k, e, n, b, c) - 1.0) / n
         # everyone drafting counts only where the others would join: drafting together must pay at
         # their acceptance too (else they stay out and this session would draft alone after all)
         pa = self.alpha() if self.peer_alpha is None else min(0.98, max(0.02, self.peer_alpha))

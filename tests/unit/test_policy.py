@@ -561,3 +561,16 @@ def test_a_loaded_cpu_where_sessions_draft_together_at_high_acceptance_keeps_dra
     p = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 8, 7.0, 0.86, 0.86)
     assert p.pays()
     assert max(range(1, 11), key=p.rate) <= 2
+
+
+def test_a_few_drafters_that_lose_as_a_group_do_not_keep_each_other_drafting():
+    """16 sessions on this CPU, 3 others drafting: once they pay for a forward of their own, one more
+    drafter adds little to it -- priced by that margin, 3-4 of 16 kept drafting as a group that lost
+    as a whole (0.62x of target-only, traced). Each drafter's share of what the group adds says no."""
+    p = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 16, 3.0, 0.63, 0.85)
+    assert not p.pays()
+    b, n = p._load()
+    c = p.c * p.scale_d * p.steps_per_token()
+    e = p._tokens(p.alpha(), 1)
+    margin = 1 + b * (p._agg(1, e, n, b, c) - p._agg(1, e, n - 1, b, c))
+    assert margin > 1.05 > p.rate(1)  # (the margin would have drafted)
