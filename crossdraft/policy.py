@@ -298,7 +298,7 @@ class DraftPolicy:
         pa = self.alpha() if self.peer_alpha is None else min(0.98, max(0.02, self.peer_alpha))
         ep = self._tokens(pa, k)
         if ep * per < (self.margin if self.measured else 1.0):
-            return max(1e-3, alone)  # (the marginal view can fall below zero: a ratio of rates is not)
+            return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
         return max(alone, (e + (b - 1.0) * ep) / b * per)
 
     def cumulative_stop(self) -> float:

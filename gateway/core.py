@@ -823,10 +823,6 @@ class Job:
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
 
 
-__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "add_stats", "check_api_key", "check_utf8",
-           "key_owner", "validate_messages", "validate_options"]
-
-
 _LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
 
 
@@ -856,3 +852,7 @@ def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
         return h in _LOOPBACK or h.startswith("127.")
 
     return (local(hv) and local(hd)) or (hv == hd and hv != "")
+
+
+__all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "add_stats", "check_api_key", "check_utf8",
+           "key_owner", "validate_messages", "validate_options"]
