@@ -1015,6 +1015,11 @@ class TokenPair:
         # and checking a table for staleness costs 0.2 ms per call for Gemma-3's tokenizer
         self._t_table = _table(target_tok)
         self._d_table = None
+        # encode_*_bytes of short byte strings, remembered: the round loop re-encodes each round's new
+        # text (mostly one token's bytes, the same few hundred strings again and again) into drafter
+        # ids, and the tokenizer's Python wrapper costs ~0.2 ms a call -- per round, per session, on
+        # the gateway's one interpreter (16 sessions: ~3% of the verifier's time at 16 clients, seen)
+        self._memo: dict[tuple[bool, bytes], tuple[int, ...]] = {}
         self.t_bytes = [b if b is not None else b"" for b in self._t_table.bytes]
         self.mapping = None
         self.same_vocab = False
@@ -1065,13 +1070,32 @@ class TokenPair:
         tb, n = self.t_bytes, len(self.t_bytes)
         return b"".join(tb[i] for i in map(int, ids) if 0 <= i < n)
 
+    MEMO_BYTES = 48  # strings up to this long are remembered
+    MEMO_SIZE = 16384  # entries; past it the memo starts over
+
+    def _encode_memo(self, drafter: bool, data: bytes) -> list[int]:
+        """encode_bytes with the drafter's or the target's tokenizer (a pure function of ``data``),
+        remembered for short strings. A string the vocabulary cannot spell raises every time."""
+        if len(data) > self.MEMO_BYTES:
+            tok, table = (self.drafter_tok, self._d_table) if drafter else (self.target_tok, self._t_table)
+            return encode_bytes(tok, data, table=table)
+        key = (drafter, bytes(data))
+        ids = self._memo.get(key)
+        if ids is None:
+            tok, table = (self.drafter_tok, self._d_table) if drafter else (self.target_tok, self._t_table)
+            ids = tuple(encode_bytes(tok, data, table=table))
+            if len(self._memo) >= self.MEMO_SIZE:
+                self._memo = {}
+            self._memo[key] = ids
+        return list(ids)
+
     def encode_target_bytes(self, data: bytes) -> list[int]:
         """:func:`encode_bytes` with the target's tokenizer."""
-        return encode_bytes(self.target_tok, data, table=self._t_table)
+        return self._encode_memo(False, data)
 
     def encode_drafter_bytes(self, data: bytes) -> list[int]:
         """:func:`encode_bytes` with the drafter's tokenizer."""
-        return encode_bytes(self.drafter_tok, data, table=self._d_table)
+        return self._encode_memo(True, data)
 
     def map_q(self, q_ids: np.ndarray, q_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A drafter distribution as target ids: :meth:`VocabMapping.map_distribution`."""

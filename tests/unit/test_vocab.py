@@ -539,3 +539,28 @@ def test_chat_ids_drafter_without_a_template_drafts_over_the_targets_rendering(t
     with pytest.raises(InvalidArgument) as e:
         bare.chat_ids(msgs, "tiny-target")
     assert e.value.field == "messages" and "tiny-target has no chat template" in str(e.value)
+
+
+def test_a_pairs_byte_encodings_are_remembered_and_the_same_as_uncached(cache_dir, monkeypatch):
+    """TokenPair.encode_*_bytes remember short strings (the round loop encodes each round's new
+    text into drafter ids): the same ids as encode_bytes, the tokenizer not asked twice, long strings
+    not kept."""
+    sp, bl = SP(), BL()
+    pair = V.TokenPair(sp, bl, len(sp) + 4, len(bl) + 2, vocab_cache_dir=cache_dir)
+    samples = [b" return", b"\n    ", b"x = 1", "héllo wörld".encode(), b"  ", "日本".encode()]
+    for s in samples:
+        assert pair.encode_drafter_bytes(s) == V.encode_bytes(bl, s)
+        assert pair.encode_target_bytes(s) == V.encode_bytes(sp, s)
+    calls = []
+    orig = V.encode_bytes
+    monkeypatch.setattr(V, "encode_bytes", lambda *a, **kw: calls.append(a[1]) or orig(*a, **kw))
+    for s in samples:
+        assert pair.encode_drafter_bytes(s) == orig(bl, s)
+    assert calls == []  # all remembered
+    ids = pair.encode_drafter_bytes(b" return")
+    ids.append(0)  # a caller's list is its own
+    assert pair.encode_drafter_bytes(b" return") == orig(bl, b" return")
+    long = b"y" * (pair.MEMO_BYTES + 1)
+    pair.encode_drafter_bytes(long)
+    pair.encode_drafter_bytes(long)
+    assert calls == [long, long]
