@@ -234,10 +234,9 @@ class Decoder:
         # policy starts from it instead of from "alone" (its first rounds would price drafting
         # for an idle server)
         self._load = 1.0
-        # requests in this Decoder's round loop now: a lower bound on the verifier's load that a
-        # burst of new requests sees before any of their rounds has reported it
-        self._running = 0
-        # those requests (id -> request): what the others do (how many draft, their acceptance) is part
+        # requests in this Decoder's round loop now (id -> request): their number is a lower bound on
+        # the verifier's load that a burst of new requests sees before any of their rounds has
+        # reported it (_running), and what the others do (how many draft, their acceptance) is part
         # of what a block costs under load (DraftPolicy.rate)
         self._reqs: dict[int, _Request] = {}
         # whether the drafter computes on the verifier's hardware (its steps then stall every session's
@@ -428,14 +427,17 @@ class Decoder:
         run.target_ids = req.t_ids
         run.drafter_ids = req.d.ids if req.d else None
         with self._lock:
-            self._running += 1
             self._reqs[id(req)] = req
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
             with self._lock:
-                self._running -= 1
                 self._reqs.pop(id(req), None)
+
+    @property
+    def _running(self) -> int:
+        """Requests in the round loop now."""
+        return len(self._reqs)
 
     def _peers(self, req: _Request) -> None:
         """Measured costs: tell the request's policy what the other requests in this loop do now --
