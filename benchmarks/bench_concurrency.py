@@ -103,10 +103,29 @@ class Stack:
             time.sleep(1)
         raise RuntimeError("the stack did not get ready")
 
+    def pids(self) -> dict[str, int]:
+        out = {p.name: p.p.pid for p in self.procs}
+        if getattr(self.redis, "_proc", None) is not None:  # the benchmark's own server: its pid is ours to read
+            out["redis"] = self.redis._proc.pid
+        return out
+
     def stop(self):
         for p in reversed(self.procs):
             p.stop()
         self.redis.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc (Linux; 0.0 elsewhere)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_now(procs: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in procs.items()}
 
 
 def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool, seed: int) -> dict:
@@ -125,8 +144,12 @@ def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool,
             "rounds": st.get("rounds", 0), "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0)}
 
 
-def point(url: str, ps: list[str], a, clients: int, temperature: float, use_drafter: bool) -> dict:
-    """`clients` threads; request i (prompt i % len(ps)) goes to thread i % clients; all start together."""
+def point(url: str, ps: list[str], a, clients: int, temperature: float, use_drafter: bool,
+          procs: dict[str, int] | None = None) -> dict:
+    """`clients` threads; request i (prompt i % len(ps)) goes to thread i % clients; all start together.
+
+    With ``procs`` (name -> pid), also the CPU seconds each process spent during the point, per
+    completion token (where the time of a mode goes when the machine is the bottleneck)."""
     n_req = max(a.min_requests, clients * a.requests_per_client)
     jobs: list[list[int]] = [[] for _ in range(clients)]
     for i in range(n_req):
@@ -142,11 +165,14 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
     ts = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in ts:
         t.start()
+    procs = dict(procs or {}, client=os.getpid())
     barrier.wait()
+    cpu0 = cpu_now(procs)
     t0 = time.perf_counter()
     for t in ts:
         t.join()
     wall = time.perf_counter() - t0
+    cpu1 = cpu_now(procs)
     ok = [results[i] for i in range(n_req) if results[i]["ok"]]
     lat = sorted(r["latency_s"] for r in ok)
     tokens = sum(r["tokens"] for r in ok)
@@ -159,6 +185,7 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
             "tokens_per_s": tokens / wall if wall > 0 else 0.0, "p50_latency_s": pct(0.5), "p95_latency_s": pct(0.95),
             "mean_latency_s": statistics.mean(lat) if lat else 0.0,
             "acceptance": sum(r["accepted"] for r in ok) / drafted if drafted else 0.0,
+            "cpu_ms_per_token": {k: round(1000 * (cpu1[k] - cpu0[k]) / max(1, tokens), 3) for k in procs},
             "texts": {i: results[i].get("text") for i in range(n_req)}}
 
 
@@ -180,13 +207,15 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                 reps: dict[str, list[dict]] = {m: [] for m in modes}
                 for rep in range(a.repeats):
                     for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                        reps[mode].append(point(stack.url, ps, a, clients, temperature, mode == "spec"))
+                        reps[mode].append(point(stack.url, ps, a, clients, temperature, mode == "spec",
+                                                stack.pids()))
                 for mode in modes:
                     runs = reps[mode]
                     p = dict(sorted(runs, key=lambda x: x["tokens_per_s"])[(len(runs) - 1) // 2])  # median
                     p.update(mode=mode, temperature=temperature)
                     if len(runs) > 1:
                         p["repeat_tokens_per_s"] = [round(x["tokens_per_s"], 3) for x in runs]
+                        p["repeat_cpu_ms_per_token"] = [x.get("cpu_ms_per_token") for x in runs]
                     if mode == "spec" and "target" in reps:
                         p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
                                                    for x, y in zip(runs, reps["target"]) if y["tokens_per_s"]]
@@ -204,6 +233,10 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                           f"p50 {p['p50_latency_s']:6.2f} s  p95 {p['p95_latency_s']:6.2f} s  "
                           f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}"
                           + (f"  spec/target by repeat {paired}" if paired else ""), flush=True)
+                    for x in runs:
+                        print(f"[{label}]        CPU ms per token: "
+                              + "  ".join(f"{k} {v:.1f}" for k, v in x.get("cpu_ms_per_token", {}).items())
+                              + f"  ({x['tokens_per_s']:.2f} tok/s)", flush=True)
     finally:
         stack.stop()
     return out

@@ -357,6 +357,8 @@ class Decoder:
     def _start(self, req: _Request, round_index: int = 0) -> None:
         """Sync both servers with the prompt; choose the drafting mode and the policy."""
         stats = req.stats
+        t0 = time.perf_counter()
+        running0 = self._running
         reused, _ = self.verifier.sync(req.sid, req.t_ids)
         stats.reused_target_tokens = reused
         if req.spec:
@@ -413,6 +415,11 @@ class Decoder:
             pol.unfed = feed  # (and a probe's cost counts that feed)
         elif req.spec:
             self._sync_drafter(req)
+        if self._round_log and req.spec:
+            self._write_log({"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k,
+                             "feed": feed, "sync_s": round(time.perf_counter() - t0, 4),
+                             "running_before_sync": running0, "running": self._running, "load": round(pol.batch, 2),
+                             "others_drafting": pol.others, "alpha": round(pol.alpha(), 3)})
 
     def _sync_drafter(self, req: _Request) -> None:
         """Give the drafter the session (its prompt, or the prompt and what was generated since)."""
@@ -574,6 +581,9 @@ class Decoder:
                        alpha=round(pol.alpha(), 3), scale_d=round(pol.scale_d, 3),
                        scale_v=round(pol.scale_v, 3), steps_per_token=round(pol.steps_per_token(), 3),
                        probing=pol.probing, interval=pol.interval)
+        self._write_log(rec)
+
+    def _write_log(self, rec: dict) -> None:
         line = json.dumps(rec) + "\n"
         with self._lock:
             try:

@@ -322,6 +322,11 @@ def test_a_round_log_gets_one_line_per_round_with_the_policys_view(eng, tmp_path
                   params=SamplingParams(), seed=0, draft=DraftConfig())
     evs = list(run)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
+    # first the decision the request started with (its first block, the load, what it feeds the drafter)
+    start, lines = lines[0], lines[1:]
+    assert start["sid"] == "logged" and start["start"] == 0 and start["k"] == evs[0].requested > 0
+    assert start["feed"] == len(eng.pair.encode_drafter(PROMPT)) and start["running"] == 1 and start["load"] == 1.0
+    assert start["sync_s"] >= 0 and "round" not in start
     assert [x["round"] for x in lines] == [e.round_index for e in evs]
     assert [(x["drafted"], x["accepted"]) for x in lines] == [(e.drafted, e.accepted) for e in evs]
     assert all(x["sid"] == "logged" and x["mode"] == "text" and "load" in x and "alpha" in x for x in lines)
