@@ -42,6 +42,7 @@ service under ``--rss-limit``, no Redis keys left over), 1 otherwise.
 
 Usage: python benchmarks/soak.py [--duration-s 600] [--users 16] [--tag soak]
        python benchmarks/soak.py --duration-s 60 --tag soak-smoke --out .cache/soak   # a smoke run
+       python benchmarks/soak.py --scenarios rest_completion,grpc_completion --restart-at 2   # one path only
 """
 
 from __future__ import annotations
@@ -315,6 +316,8 @@ class User(threading.Thread):
             (self.grpc_completion, 12), (self.cancel_sse, 5), (self.cancel_rest, 3), (self.cancel_grpc_deadline, 4),
             (self.cancel_grpc_stream, 3), (self.bad_request, 10),
         ]
+        if a.scenarios:  # only these (e.g. to find which path holds memory)
+            self.scenarios = [(f, w) for f, w in self.scenarios if f.__name__ in a.scenarios]
 
     def done(self) -> bool:
         return self.stop_ev.is_set() or time.time() >= self.stop_at
@@ -1017,6 +1020,10 @@ def plot(result: dict, path: Path) -> bool:
 # ---- main -------------------------------------------------------------------------------------------
 
 
+SCENARIOS = ("rest_completion", "rest_stream", "chat_session", "text_session", "grpc_completion", "cancel_sse",
+             "cancel_rest", "cancel_grpc_deadline", "cancel_grpc_stream", "bad_request")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0, help="load duration (the run stops by itself)")
@@ -1039,10 +1046,18 @@ def parse_args(argv=None):
     p.add_argument("--gw-queue-timeout-s", type=float, default=5.0, help="gateway --queue-timeout-s")
     p.add_argument("--rss-limit", type=float, default=0.10, help="goal: RSS growth after warm-up below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenarios", default="",
+                   help=f"comma-separated: run only these scenarios ({', '.join(SCENARIOS)}); default all")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="soak")
     p.add_argument("--work-dir", default=None, help="models and logs (default: a temporary directory, removed)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    names = [x.strip() for x in a.scenarios.split(",") if x.strip()]
+    unknown = [x for x in names if x not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
+    a.scenarios = names
+    return a
 
 
 def main(argv=None) -> int:
