@@ -410,6 +410,13 @@ class Decoder:
                 # later if the request is long enough
                 req.k = 0
                 pol.interval = pol.wait = pol.probe_pace()
+            elif self._unsettled(req):
+                # a burst: other requests entered the loop moments ago and have not had a round yet, so
+                # the load this one would price is still climbing (seen: 16 requests entered within
+                # 40-90 ms and decided at loads of 2-13; 9-12 drafted first blocks whose drafter
+                # prefills ran on the cores verifying the burst's prompts). Start target-only: the
+                # first round's end prices drafting at the load the burst settles at.
+                req.k = 0
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
             pol.unfed = feed  # (and a probe's cost counts that feed)
@@ -445,6 +452,11 @@ class Decoder:
     def _running(self) -> int:
         """Requests in the round loop now."""
         return len(self._reqs)
+
+    def _unsettled(self, req: _Request) -> bool:
+        """Whether another request in the loop has not finished its first round yet."""
+        with self._lock:
+            return any(r is not req and r.first for r in self._reqs.values())
 
     def _peers(self, req: _Request) -> None:
         """Measured costs: tell the request's policy what the other requests in this loop do now --

@@ -385,3 +385,34 @@ def test_the_gateway_tells_whether_a_drafter_shares_its_verifiers_hardware(monke
     with pytest.raises(InvalidArgument) as e:
         config_from_args(build_parser().parse_args(args))
     assert e.value.field == "colocated"
+
+
+def test_a_request_that_starts_in_a_burst_waits_one_round_for_the_load_to_settle(eng):
+    """Another request in the loop that has not had its first round yet (a burst arriving): the
+    load is still climbing, so the new request starts target-only -- no prompt for the drafter, no
+    first block -- and the end of its first round prices drafting (here alone again: it drafts)."""
+    from crossdraft.decode import _Request
+
+    eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
+    eng.decoder._ratio.clear()
+    ref = eng.generate(PROMPT, max_new_tokens=16, use_drafter=False)
+    dec = eng.decoder
+    t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
+    arriving = _Request("arriving", [1], 8, SamplingParams(), 0, DraftConfig(), None, True)  # first round pending
+    run = dec.run("burst", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0, draft=DraftConfig())
+    it = iter(run)
+    dec._reqs[id(arriving)] = arriving
+    try:
+        first = next(it)
+    finally:
+        dec._reqs.pop(id(arriving), None)
+    assert first.requested == 0 and first.drafted == 0
+    assert eng.counting.syncs == [] and eng.counting.drafts == 0  # the drafter got nothing yet
+    evs = [first, *it]
+    assert sum(e.drafted for e in evs[1:]) > 0 and eng.counting.drafts > 0  # alone now: it drafts
+    assert run.result.token_ids == ref.token_ids
+    # the same request with nobody else arriving drafts its first block
+    eng.counting.syncs.clear()
+    again = dec.run("alone", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0, draft=DraftConfig())
+    assert next(iter(again)).requested > 0 and eng.counting.syncs
+    again.close()
