@@ -71,6 +71,10 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=_float_arg("--top-p"), default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
     p.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    p.add_argument("--draws", choices=["coupled", "rejection"], default="coupled",
+                   help="sampling: coupled (default) = each token a function of (seed, position), the same text "
+                        "with or without a drafter; rejection = the classic accept/resample rule (accepts slightly "
+                        "more drafts; the text then depends on the blocks drafted)")
     p.add_argument("--num-draft-tokens", type=_int_arg("--num-draft-tokens"), default=4,
                    help="initial block size k")
     p.add_argument("--no-adaptive", action="store_true", help="keep k fixed instead of choosing it per round")
@@ -186,7 +190,8 @@ def _sampling_from_args(a):
     from .policy import DraftConfig
     from .sampling import SamplingParams
 
-    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.repetition_penalty)
+    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.repetition_penalty,
+                            coupled=getattr(a, "draws", "rejection") == "coupled")
     draft = DraftConfig(
         num_draft_tokens=a.num_draft_tokens,
         adaptive=not a.no_adaptive,

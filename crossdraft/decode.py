@@ -260,13 +260,19 @@ class Decoder:
     def _send_mask(self, mode: str) -> None:
         key = self.pair.keys[mode]
         if key not in self._mask_sent:
-            self.drafter.set_allowed(key, self.pair.masks[mode])
+            mask = self.pair.masks[mode]
+            if mode == "tli":  # the target id of each allowed id: coupled draws read its noise there
+                self.drafter.set_allowed(key, mask, self.pair.d2t[np.nonzero(mask)[0]])
+            else:  # text drafting is greedy only
+                self.drafter.set_allowed(key, mask)
             self._mask_sent.add(key)
 
     def _policy(self, mode: str, draft: DraftConfig, params: SamplingParams) -> tuple[DraftPolicy, float]:
         """The draft-length policy of one request, and the measured seconds of one target step
         (0.0 with static costs). See DraftPolicy for measured vs static costs."""
-        measured = draft.cost_model == "measured" or (draft.cost_model == "auto" and params.greedy)
+        # coupled draws make a seeded text independent of the blocks drafted: like greedy decoding,
+        # it can be priced at the measured costs and the load without losing its replay
+        measured = draft.cost_model == "measured" or (draft.cost_model == "auto" and (params.greedy or params.coupled))
         key = (mode, measured)
         if key not in self._ratio:
             rows = int(self.pair.masks[mode].sum())
@@ -298,8 +304,9 @@ class Decoder:
             return self.verifier.verify(sid, self._expect(t_ids), drafts, q_rows, round_index, params, seed, **kw)
 
     def _draft(self, sid: str, d: DrafterState, k: int, round_index: int, params, seed, stop_below, mode,
-               stop_cumulative: float = 0.0, heal: bool = False):
-        """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
+               stop_cumulative: float = 0.0, heal: bool = False, position: int = -1):
+        """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable). position:
+        the target-side position of the first proposal (coupled draws)."""
         key = self.pair.keys[mode]
         kw = dict(k=k, round_index=round_index, params=params, seed=seed, stop_below=stop_below, allowed_key=key,
                   timeout_s=self.drafter_timeout_s)
@@ -307,6 +314,8 @@ class Decoder:
             kw["stop_cumulative"] = stop_cumulative
         if heal:
             kw["heal"] = True
+        if params.coupled and position >= 0:
+            kw["position"] = position
         try:
             toks = self.drafter.draft(sid, d.pending(), self._expect(d.ids), **kw)
         except (NotFound, FailedPrecondition):
@@ -623,7 +632,7 @@ class Decoder:
         try:
             sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
             toks = self._draft(req.sid, d, kk, round_index, req.params, req.seed, req.draft.stop_below, req.mode,
-                               sc, heal)
+                               sc, heal, len(req.t_ids))
         except (Unavailable, ResourceExhausted, InvalidArgument) as e:  # the request goes on target-only
             req.drafter_failed(e)
         if heal and toks and toks[0].heals:  # the drafter dropped its last id: so does our view of it
@@ -644,7 +653,7 @@ class Decoder:
                 drafts_t = []
         else:
             drafts_t = [int(pair.d2t[x]) for x in d_prop]
-            if not req.params.greedy:
+            if not req.params.greedy and not req.params.coupled:  # coupled draws test no distribution
                 q_rows = [pair.map_q(t.q_ids, t.q_probs) for t in toks]
         req.stats.draft_s += seconds
         return _Drafted(toks, drafts_t, q_rows, seconds, healed)

@@ -61,13 +61,15 @@ class VerifierPort(ModelPort, Protocol):
 
 @runtime_checkable
 class DrafterPort(ModelPort, Protocol):
-    def set_allowed(self, key: str, mask) -> int:
-        """Register a mask of drafter ids that may be proposed (the intersection) under `key`."""
+    def set_allowed(self, key: str, mask, target_ids=None) -> int:
+        """Register a mask of drafter ids that may be proposed (the intersection) under `key`, and
+        optionally the target id of each allowed id (ascending drafter-id order; coupled draws)."""
 
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
               timeout_s: float | None = None, stop_cumulative: float = 0.0,
-              heal: bool = False) -> "list[DraftToken]":
+              heal: bool = False, position: int = -1) -> "list[DraftToken]":
         """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
         early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
-        the session's last id (crossdraft.healing); a first token with ``heals`` replaced it."""
+        the session's last id (crossdraft.healing); a first token with ``heals`` replaced it.
+        position: the target-side position of the first proposal (coupled draws; -1 = unknown)."""

@@ -43,9 +43,15 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus: smallest set with mass >= top_p; 1 = off; must be in (0, 1]
     repetition_penalty: float = 1.0  # CTRL-style penalty on tokens already in the context; 1 = off
+    # coupled draws (crossdraft.coupled): each sampled token is a function of (seed, position)
+    # alone -- the same text whatever is drafted, batched or not -- instead of the rejection rule's
+    # round-dependent draws; no effect on greedy decoding
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        if not isinstance(self.coupled, bool):
+            raise InvalidArgument("coupled", f"must be a boolean, got {self.coupled!r}")
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +63,7 @@ class SamplingParams:
             "top_k": self.top_k,
             "top_p": self.top_p,
             "repetition_penalty": self.repetition_penalty,
+            "coupled": self.coupled,
         }
 
 

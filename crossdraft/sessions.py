@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import sampling as S
+from .coupled import Draws, coupled_argmax, verify_coupled
 from .errors import FailedPrecondition, InvalidArgument
 from .sampling import SamplingParams, VerifyOutcome
 
@@ -340,7 +341,7 @@ class TargetSession(_ModelSession):
         t0 = time.perf_counter()
         k = len(drafts)
         base = len(self.ids)
-        if not params.greedy and k and (q_rows is None or len(q_rows) != k):
+        if not params.greedy and not params.coupled and k and (q_rows is None or len(q_rows) != k):
             got = 0 if q_rows is None else len(q_rows)
             raise InvalidArgument("q", f"sampling needs one drafter distribution per draft ({k}), got {got}")
         logits = self.forward(drafts, keep=k + 1)  # [k+1, V]
@@ -356,6 +357,8 @@ class TargetSession(_ModelSession):
         processed = S.process_logits(logits, params, presence)
         if params.greedy:
             outcome = S.verify_greedy(torch.argmax(processed, dim=-1).tolist(), drafts)
+        elif params.coupled:  # the target's token at each position is a function of (seed, position)
+            outcome = verify_coupled(processed, drafts, seed, base)
         else:
             p = S.probabilities(processed).double().cpu()
             try:
@@ -408,11 +411,27 @@ class AllowedSet:
 
     prune_below = 0.9  # prune the LM head when the set keeps fewer than this share of its rows
 
-    def __init__(self, model, mask: torch.Tensor | np.ndarray, device):
+    def __init__(self, model, mask: torch.Tensor | np.ndarray, device, target_ids=None):
         mask = torch.as_tensor(np.asarray(mask, dtype=bool))
         self.ids = torch.nonzero(mask).flatten()  # [A] ascending drafter ids
         if self.ids.numel() == 0:
             raise InvalidArgument("mask", "allows no token")
+        # coupled draws (crossdraft.coupled) read each allowed id at the noise of its target id:
+        # target_ids [A] (None: unknown -- coupled drafting then proposes its argmax), and the
+        # inverse over target ids (entry of each, -1 if none)
+        self.target_ids = self.inverse = None
+        if target_ids is not None:
+            t = np.asarray(target_ids, dtype=np.int64)
+            if t.shape != (self.ids.numel(),):
+                raise InvalidArgument("target_ids", f"must hold one id per allowed id ({self.ids.numel()}), "
+                                      f"got {t.size}")
+            if t.size and int(t.min()) < 0:
+                raise InvalidArgument("target_ids", "must be >= 0")
+            if t.size and int(t.max()) >= 1 << 24:
+                raise InvalidArgument("target_ids", f"must be < {1 << 24}")
+            inv = np.full(int(t.max()) + 1, -1, dtype=np.int64)
+            inv[t[::-1]] = np.arange(t.size - 1, -1, -1)  # several ids of one target id: the lowest entry
+            self.target_ids, self.inverse = t, inv
         self.ids_dev = self.ids.to(device)
         # a pruned head pays off unless nearly every row is kept
         full = getattr(getattr(model, "lm_head", None), "weight", None)
@@ -470,7 +489,7 @@ class DrafterSession(_ModelSession):
         return j, float(torch.softmax(row, dim=-1)[j]), heal.rest(need, tok)
 
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
-                   stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None):
+                   stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None, position: int = -1):
         """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
         the proposals stay in the cache so that an edit keeping them costs nothing).
 
@@ -480,7 +499,12 @@ class DrafterSession(_ModelSession):
 
         heal: a :class:`crossdraft.healing.TokenBytes` of this vocabulary to heal the last id
         (greedy only): if the drafter prefers another token for its bytes, the last id leaves the
-        committed ids and the first proposal (``heals``) replaces it."""
+        committed ids and the first proposal (``heals``) replaces it.
+
+        position: with ``params.coupled``, the target's position of the first proposal: proposal i
+        is the argmax of the drafter's logits plus the coupled draws of (seed, position + i) read at
+        each allowed id's target id (its plain argmax when that is unknown); no distribution is
+        shipped, since the verifier's test does not use one."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
         presence = None
         props: list[int] = []
@@ -524,8 +548,11 @@ class DrafterSession(_ModelSession):
                 processed = self._agreeing(processed, allowed, heal, need)
                 if not bool(torch.isfinite(processed).any()):
                     break  # no allowed id can spell the rest: the block ends (it drafted no new text)
-            if params.greedy:
-                j = int(torch.argmax(processed))
+            if params.greedy or params.coupled:
+                if params.greedy or allowed.target_ids is None or position < 0:
+                    j = int(torch.argmax(processed))
+                else:
+                    j = coupled_argmax(processed, Draws(seed, position + i), allowed.target_ids, allowed.inverse)
                 conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0
                 q_ids = q_probs = None
             else:

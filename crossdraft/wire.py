@@ -12,12 +12,12 @@ from .workers import Expect
 
 def params_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p,
-                          repetition_penalty=m.repetition_penalty)
+                          repetition_penalty=m.repetition_penalty, coupled=bool(m.coupled))
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                     repetition_penalty=p.repetition_penalty)
+                                     repetition_penalty=p.repetition_penalty, coupled=p.coupled)
 
 
 def expect_from_proto(m: common_pb2.ContextCheck) -> Expect:
@@ -39,7 +39,7 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
                 max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
                 forward_ms=[float(x) for x in m.forward_ms], kv_blocks_total=m.kv_blocks_total,
                 kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows,
-                tokenizer_files_digest=m.tokenizer_files_digest, revision=m.revision)
+                tokenizer_files_digest=m.tokenizer_files_digest, revision=m.revision, features=list(m.features))
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

@@ -27,6 +27,9 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound, check_int, ch
 from .sampling import SamplingParams
 from .sessions import AllowedSet, DrafterSession, DraftToken, TargetSession, cost_numbers
 
+# optional behaviours both model servers implement (ModelInfo.features)
+FEATURES = ("coupled_draws",)
+
 
 def ids_crc32(ids) -> int:
     """CRC-32 of token ids as int32 little-endian bytes (the ContextCheck digest)."""
@@ -290,7 +293,7 @@ class _Worker:
             tokenizer_files_digest=self._files_digest,
             max_sessions=self.cfg.max_sessions,
             active_sessions=len(self.sessions), instance_id=self.instance_id, forward_ms=self.timings(),
-            **self._kv_info(),
+            features=list(FEATURES), **self._kv_info(),
         )
 
     def _kv_info(self) -> dict:
@@ -441,7 +444,9 @@ class DrafterWorker(_Worker):
     def _new_session(self, ids):
         return DrafterSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
-    def set_allowed(self, key: str, mask) -> int:
+    def set_allowed(self, key: str, mask, target_ids=None) -> int:
+        """Register `mask` under `key`; target_ids: the target id of each allowed id, ascending
+        drafter-id order (coupled draws; None = unknown)."""
         if not isinstance(key, str) or not key or len(key) > 256:
             raise InvalidArgument("allowed_key", "must be a non-empty string of at most 256 characters")
         mask = np.asarray(mask, dtype=bool)
@@ -454,7 +459,7 @@ class DrafterWorker(_Worker):
         full = np.zeros(self.vocab, dtype=bool)
         full[: len(mask)] = mask
         with self.lock:
-            allowed = AllowedSet(self.loaded.model, full, self.loaded.device)
+            allowed = AllowedSet(self.loaded.model, full, self.loaded.device, target_ids)
             self.masks[key] = allowed
             self.masks.move_to_end(key)
             while len(self.masks) > self.max_masks:
@@ -464,7 +469,9 @@ class DrafterWorker(_Worker):
     def allowed(self, key: str) -> AllowedSet:
         if not key:
             if self._all is None:
-                self._all = AllowedSet(self.loaded.model, np.ones(self.vocab, dtype=bool), self.loaded.device)
+                # no mask: the same vocabulary, each id its own target id
+                self._all = AllowedSet(self.loaded.model, np.ones(self.vocab, dtype=bool), self.loaded.device,
+                                       np.arange(self.vocab))
             return self._all
         a = self.masks.get(key)
         if a is None:
@@ -492,10 +499,12 @@ class DrafterWorker(_Worker):
             return Expect.of(sess.ids)
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
-                   seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0, heal: bool = False):
+                   seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0, heal: bool = False,
+                   position: int = -1):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting).
 
-        heal: token healing of the session's last id (greedy only; crossdraft.healing)."""
+        heal: token healing of the session's last id (greedy only; crossdraft.healing). position: the
+        target-side position of the first proposal (coupled draws; -1 = unknown)."""
         check_int("num_draft_tokens", k, 1, 64)
         if heal and not params.greedy:
             raise InvalidArgument("heal", "token healing is for greedy drafting only (temperature 0)")
@@ -510,7 +519,7 @@ class DrafterWorker(_Worker):
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
-                                 heal=self.token_bytes() if heal else None)
+                                 heal=self.token_bytes() if heal else None, position=position)
         # the session is held per token, never across a yield: a consumer that stops reading (a
         # cancelled stream) blocks nothing
         while True:
@@ -524,11 +533,11 @@ class DrafterWorker(_Worker):
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
-              stop_cumulative: float = 0.0, heal: bool = False) -> list[DraftToken]:
+              stop_cumulative: float = 0.0, heal: bool = False, position: int = -1) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
         drafters: in process there is no wire to wait on)."""
         return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
-                                    stop_cumulative, heal))
+                                    stop_cumulative, heal, position))
 
 
 __all__ = ["DrafterWorker", "Expect", "ModelSessionCache", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]

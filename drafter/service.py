@@ -48,7 +48,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if request.vocab_size == 0:
             raise InvalidArgument("vocab_size", "must be > 0")
         mask = wire.unpack_mask(request.mask, request.vocab_size)
-        return drafter_pb2.SetAllowedTokensResponse(allowed_count=w.set_allowed(request.allowed_key, mask))
+        tids = list(request.target_ids) or None
+        return drafter_pb2.SetAllowedTokensResponse(allowed_count=w.set_allowed(request.allowed_key, mask, tids))
 
     def SyncDrafterSession(self, request, context):
         SYNCS.inc()
@@ -65,7 +66,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         params = wire.params_from_proto(request.params)
         it = w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
                           int(request.round_index), params, int(request.seed), float(request.stop_below),
-                          request.allowed_key, float(request.stop_cumulative_below), bool(request.heal))
+                          request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
+                          position=int(request.position) or -1)
         return self._stream(it, context, int(request.num_draft_tokens))
 
     def _stream(self, it, context, k: int):

@@ -193,12 +193,14 @@ class RemoteDrafter(_Remote):
                        drafter_pb2.GetDrafterTokenizerRequest(), 60)
         return {f.name: f.content for f in r.files}, r.tokenizer_digest
 
-    def set_allowed(self, key, mask) -> int:
-        """Register the drafter-id mask under `key` (sent bit-packed); returns how many ids it allows."""
+    def set_allowed(self, key, mask, target_ids=None) -> int:
+        """Register the drafter-id mask under `key` (sent bit-packed) and, optionally, the target id of
+        each allowed id (for coupled draws); returns how many ids it allows."""
         mask = np.asarray(mask, dtype=bool)
+        tids = [] if target_ids is None else np.asarray(target_ids, dtype=np.int64).tolist()
         r = self._call("SetAllowedTokens", self.stub.SetAllowedTokens,
                        drafter_pb2.SetAllowedTokensRequest(allowed_key=key, vocab_size=len(mask),
-                                                           mask=wire.pack_mask(mask)))
+                                                           mask=wire.pack_mask(mask), target_ids=tids))
         return r.allowed_count
 
     def sync(self, sid, ids, prefill: bool = False):
@@ -214,11 +216,12 @@ class RemoteDrafter(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
-              stop_cumulative=0.0, heal=False):
+              stop_cumulative=0.0, heal=False, position=-1):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
-                                       allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal)
+                                       allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal,
+                                       position=max(0, position))
         if edit is not None:
             req.edit.keep = edit[0]
             req.edit.append.extend(edit[1])

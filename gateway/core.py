@@ -4,6 +4,7 @@ the round loop over the remote drafter/verifier, metrics, and one span per verif
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import threading
@@ -376,6 +377,14 @@ class Gateway:
                 f"{rev or '(none)'}: replicas of one model must serve one revision (pin the revision, finish the "
                 "rollout, then restart the gateway)")
 
+    def supports(self, kind: str, addr: str, feature: str) -> bool:
+        """Whether the `kind` replica at `addr` names `feature` in its ModelInfo.features (False when
+        it cannot be asked: an older server, or one that is down)."""
+        try:
+            return feature in (self.placement.client(kind, addr).info().get("features") or ())
+        except Exception:
+            return False
+
     def decoder(self, v_addr: str, d_addr: str | None) -> Decoder:
         """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has."""
         key = (v_addr, d_addr)
@@ -608,9 +617,12 @@ class Gateway:
 def draft_config(opts: dict, params: SamplingParams, default_k: int) -> DraftConfig:
     """A request's drafting settings. Sampling without a seed of the caller's (one-off requests;
     sessions always have one) prices drafting with the measured costs and the load, as greedy
-    decoding does: static costs exist to make a seeded run reproducible, and an unseeded one has
-    nothing to reproduce. With 16 clients on this 2-vCPU machine, static costs kept every sampling
-    session drafting where drafting no longer paid (28 vs 43 tok/s greedy)."""
+    decoding does. A seeded one does too where the verifier has coupled draws (Job sets
+    ``params.coupled``; the Decoder's "auto" then measures): its text is then the same whatever is
+    drafted. Only with the rejection rule (an older verifier) does a seed need static costs to
+    replay, since there the text depends on the blocks drafted. With 16 clients on this 2-vCPU
+    machine, static costs kept every sampling session drafting where drafting no longer paid (28 vs
+    43 tok/s greedy)."""
     k = opts.get("num_draft_tokens", default_k)
     cost_model = "measured" if not params.greedy and "seed" not in opts else "auto"
     return DraftConfig(num_draft_tokens=k, adaptive=opts.get("adaptive_draft", True), max_draft_tokens=max(10, k),
@@ -642,6 +654,10 @@ class Job:
         self.v_addr, _ = pl.choose("verifier", like.v_addr if like else session.verifier_address if session else None)
         if self.v_addr is None:
             raise Unavailable("no ready verifier")
+        # a seeded sampling request gets coupled draws where the verifier has them: its text is then a
+        # function of (seed, prompt) alone -- the same with or without a drafter, under any load
+        if not self.params.greedy and "seed" in merged and gw.supports("verifier", self.v_addr, "coupled_draws"):
+            self.params = dataclasses.replace(self.params, coupled=True)
         self.use_drafter = merged.get("use_drafter", True) and gw.has_drafter
         self.d_addr = None
         self.no_drafter_reason = ""
