@@ -242,12 +242,12 @@ def same_vocab_close(peaked_pair, tok_t, tmp_path_factory):
     return Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
 
 
-def _check_distribution(engine, params):
+def _check_distribution(engine, params, n=N_RUNS):
     prompt = "def add(a, b):\n"
     prompt_ids = list(engine.target.tokenizer(prompt)["input_ids"])
     expected = _exact_two_token_distribution(engine, prompt_ids, params)
-    counts, drafted, accepted = _sample_counts(engine, prompt, params, N_RUNS)
-    (chi2, pvalue), cells = _chi_square(counts, expected, N_RUNS)
+    counts, drafted, accepted = _sample_counts(engine, prompt, params, n)
+    (chi2, pvalue), cells = _chi_square(counts, expected, n)
     assert cells >= 50, "distribution too concentrated to test anything"
     assert pvalue > 1e-3, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
     # both branches of the acceptance rule were exercised
@@ -381,3 +381,71 @@ def test_a_drafter_whose_context_runs_out_falls_back_instead_of_failing(target, 
         assert out.stats.drafter_fallback
         assert "drafter refused" in out.stats.fallback_reason and "context" in out.stats.fallback_reason
         assert (out.stats.drafted > 0) == (where == "mid-request")
+
+
+# ---- coupled draws (crossdraft.coupled) ------------------------------------------------------
+
+
+_FILTERED = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.2, coupled=True)
+
+
+@pytest.mark.parametrize("engine_name, params, accepts", [
+    ("tli_no_eos", SamplingParams(temperature=1.0, coupled=True), True),
+    ("tli_no_eos", _FILTERED, False),  # this random drafter's filtered picks never hit the target's
+    ("same_vocab_close", SamplingParams(temperature=1.0, coupled=True), True),
+    ("same_vocab_close", _FILTERED, True),
+], ids=["tli-temperature", "tli-topk-topp-penalty", "same-vocab-temperature", "same-vocab-topk-topp-penalty"])
+def test_coupled_sampling_gives_the_target_only_text_whatever_is_drafted(request, engine_name, params, accepts):
+    """A seed's text is a function of (seed, prompt): target-only, fixed blocks of 1, 3 or 6, and the
+    adaptive policy all give the same tokens, drafts accepted or not."""
+    engine = request.getfixturevalue(engine_name)
+    drafted = accepted = 0
+    for seed in range(4):
+        for prompt in PROMPTS[:2]:
+            ref = engine.generate(prompt, max_new_tokens=24, params=params, seed=seed, use_drafter=False)
+            for k, adaptive in [(1, False), (3, False), (6, False), (4, True)]:
+                draft = DraftConfig(num_draft_tokens=k, adaptive=adaptive, cost_model="static")
+                out = engine.generate(prompt, max_new_tokens=24, params=params, seed=seed, draft=draft)
+                assert out.token_ids == ref.token_ids, (seed, prompt, k, adaptive)
+                drafted += out.stats.drafted
+                accepted += out.stats.accepted
+    assert accepted < drafted  # rejections happened
+    assert (accepted > 0) == accepts  # and, where the pair can, acceptances
+    other = engine.generate(PROMPTS[0], max_new_tokens=24, params=params, seed=99, use_drafter=False)
+    assert other.token_ids != engine.generate(PROMPTS[0], max_new_tokens=24, params=params, seed=0,
+                                              use_drafter=False).token_ids
+
+
+def test_coupled_sampling_matches_target_only_distribution(tli_no_eos):
+    """The chi-square check of the rejection rule, with coupled draws: the two-token joint over
+    6,000 seeds follows the target's exact distribution (the positions draw independently; the
+    texts equal target-only's, tested above, so this checks the target's own draws)."""
+    _check_distribution(tli_no_eos, SamplingParams(temperature=1.0, coupled=True), n=6000)
+
+
+def test_coupled_drafting_ships_no_distribution_and_reads_the_targets_noise(tli_no_eos, monkeypatch):
+    """The drafter's proposals under coupled draws carry no q rows (the verifier's test uses none);
+    the drafter knows the target id of each allowed id (sent with the mask) and the target position
+    of each block."""
+    engine = tli_no_eos
+    w = engine.drafter_worker
+    seen = []
+    orig = w.draft
+
+    def spy(*args, **kwargs):
+        toks = orig(*args, **kwargs)
+        seen.append((kwargs.get("position"), toks))
+        return toks
+
+    monkeypatch.setattr(w, "draft", spy)
+    params = SamplingParams(temperature=1.0, coupled=True)
+    out = engine.generate(PROMPTS[0], max_new_tokens=8, params=params, seed=3,
+                          draft=DraftConfig(num_draft_tokens=3, adaptive=False))
+    assert out.stats.drafted > 0 and seen
+    assert all(t.q_ids is None and t.q_probs is None for _, toks in seen for t in toks)
+    n_prompt = out.stats.prompt_tokens
+    assert seen[0][0] == n_prompt  # the first block's first proposal stands at the prompt's end
+    assert all(n_prompt <= pos < n_prompt + 8 for pos, _ in seen)
+    allowed = w.allowed(engine.pair.keys["tli"])
+    assert allowed.target_ids is not None
+    assert np.array_equal(allowed.target_ids, engine.pair.d2t[allowed.ids.numpy()])
