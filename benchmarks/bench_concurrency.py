@@ -225,13 +225,20 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                         same = [t == first.get(i % len(ps)) for x in runs for i, t in x["texts"].items()
                                 if i % len(ps) in first]
                         p["greedy_identical"] = f"{sum(same)}/{len(same)}"
+                    elif mode == "spec" and "target" in reps and not a.unseeded:
+                        # a seeded request with coupled draws gets the target-only text whatever is
+                        # drafted (bf16: batch rounding may still part them)
+                        same = [t == y["texts"].get(i) for x, y in zip(runs, reps["target"])
+                                for i, t in x["texts"].items()]
+                        p["seeded_same_as_target"] = f"{sum(same)}/{len(same)}"
                     del p["texts"]
                     out["points"].append(p)
                     paired = p.get("paired_spec_target")
                     print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: "
                           f"{p['tokens_per_s']:7.2f} tok/s  "
                           f"p50 {p['p50_latency_s']:6.2f} s  p95 {p['p95_latency_s']:6.2f} s  "
-                          f"accept {p['acceptance']:.2f}  failed {p['failed']}  {p.get('greedy_identical', '')}"
+                          f"accept {p['acceptance']:.2f}  failed {p['failed']}  "
+                          f"{p.get('greedy_identical', p.get('seeded_same_as_target', ''))}"
                           + (f"  spec/target by repeat {paired}" if paired else ""), flush=True)
                     for x in runs:
                         print(f"[{label}]        CPU ms per token: "

@@ -39,6 +39,8 @@ import struct
 import numpy as np
 import torch
 
+from .sampling import VerifyOutcome
+
 STREAM_COUPLED = 4  # blake2b stream tag of the coupled draws (sampling.STREAM_* use 1-3)
 THRESHOLD = 6.0  # T: ids whose Gumbel exceeds it are generated up front
 C = math.exp(-math.exp(-THRESHOLD))  # P(G <= T) = P(u <= C)
@@ -143,8 +145,6 @@ def verify_coupled(processed: torch.Tensor, drafts: list[int], seed: int, positi
     """Verification with coupled draws: processed [k+1, V] target rows of the positions
     ``position .. position + k``; accept while a draft equals the target's own token there.
     Returns a :class:`crossdraft.sampling.VerifyOutcome`."""
-    from .sampling import VerifyOutcome
-
     k = len(drafts)
     rows = processed.detach().to("cpu", torch.float32)
     for i in range(k + 1):

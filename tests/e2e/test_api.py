@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from crossdraft.client import Client
+from gateway.rest import derive_seed
 
 PROMPT = "The quick brown fox"
 
@@ -543,7 +544,10 @@ def test_n_sampled_completions_with_derived_seeds(stack):
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
     assert texts[0] == one["choices"][0]["text"]  # choice 0 keeps the request's seed
     assert len(set(texts)) > 1  # the others have their own (derived) seeds
-    assert three["usage"]["completion_tokens"] == 36
+    alone = [one] + [rest(stack, "/v1/completions", dict(body, seed=derive_seed(7, i))).json() for i in (1, 2)]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    total = sum(a["usage"]["completion_tokens"] for a in alone)
+    assert three["usage"]["completion_tokens"] == total
     assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
     assert [c["text"] for c in rest(stack, "/v1/completions", dict(body, n=3)).json()["choices"]] == texts
     # streamed: each choice's chunks add up to its text; the usage chunk counts all of them
@@ -555,7 +559,7 @@ def test_n_sampled_completions_with_derived_seeds(stack):
         for ch in c["choices"]:
             got[ch["index"]] += ch["text"]
     assert got == texts
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 36
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == total
 
 
 def test_n_completions_share_the_prompts_prefill(stack):

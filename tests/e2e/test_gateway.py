@@ -64,9 +64,10 @@ def test_greedy_grpc_token_ids_equal_target_only(stack, engine, prompt):
 @pytest.mark.parametrize("params", [dict(temperature=1.0),
                                     dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2)])
 def test_seeded_sampling_equals_in_process_engine(stack, engine, params):
-    """Same seed, same code path: the distributed run draws exactly the in-process run's tokens."""
+    """Same seed, same code path: the distributed run draws exactly the in-process run's tokens (a
+    seeded request gets coupled draws from a verifier that has them)."""
     for seed in (1, 2):
-        ref = engine.generate(PROMPTS[0], max_new_tokens=24, params=SamplingParams(**params), seed=seed)
+        ref = engine.generate(PROMPTS[0], max_new_tokens=24, params=SamplingParams(**params, coupled=True), seed=seed)
         with Client(stack.grpc) as c:
             out = c.generate(PROMPTS[0], max_new_tokens=24, seed=seed, **params)
         assert out.token_ids == ref.token_ids
@@ -76,12 +77,29 @@ def test_seeded_sampling_equals_in_process_engine(stack, engine, params):
 def test_fixed_block_size_matches_engine(stack, engine):
     ref = engine.generate(PROMPTS[1], max_new_tokens=24,
                           draft=DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli"),
-                          params=SamplingParams(temperature=0.7), seed=5)
+                          params=SamplingParams(temperature=0.7, coupled=True), seed=5)
     with Client(stack.grpc) as c:
         out = c.generate(PROMPTS[1], max_new_tokens=24, num_draft_tokens=3, adaptive_draft=False, temperature=0.7,
                          seed=5)
     assert out.token_ids == ref.token_ids
     assert out.stats["drafted"] == ref.stats.drafted > 0
+
+
+def test_a_seed_gives_the_same_text_with_or_without_the_drafter(stack, engine):
+    """Coupled draws over REST: a seeded completion's text depends on (seed, prompt) alone -- drafted
+    in blocks of any size or not at all -- and equals the in-process target-only run's."""
+    drafted = 0
+    for seed in (1, 2, 3):
+        body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.9, "seed": seed}
+        spec = rest(stack, "/v1/completions", body).json()
+        fixed = rest(stack, "/v1/completions", dict(body, num_draft_tokens=5, adaptive_draft=False)).json()
+        alone = rest(stack, "/v1/completions", dict(body, use_drafter=False)).json()
+        ref = engine.generate(PROMPTS[1], max_new_tokens=24, params=SamplingParams(temperature=0.9, coupled=True),
+                              seed=seed, use_drafter=False)
+        assert spec["choices"][0]["text"] == fixed["choices"][0]["text"] == alone["choices"][0]["text"] == ref.text
+        assert alone["speculative"]["drafted"] == 0
+        drafted += fixed["speculative"]["drafted"]
+    assert drafted > 0
 
 
 @pytest.mark.parametrize("http_attr", ["http", "http2"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats as sst
 
-from crossdraft.coupled import C, THRESHOLD, Draws, coupled_argmax, verify_coupled
+from crossdraft.coupled import THRESHOLD, C, Draws, coupled_argmax, verify_coupled
 
 
 def _full_argmax(row: torch.Tensor, draws: Draws, target_ids=None) -> int:

@@ -111,15 +111,21 @@ def test_new_requests_count_the_requests_already_running_as_load(eng, monkeypatc
     assert eng.decoder._running == 0
 
 
-def test_sampling_without_a_callers_seed_prices_drafting_like_greedy():
-    """Static costs keep a seeded sampling run reproducible; an unseeded one (a one-off request
-    without `seed`) has nothing to reproduce and uses the measured costs and the load."""
+def test_sampling_without_a_callers_seed_prices_drafting_like_greedy(eng):
+    """Static costs keep a seeded rejection-rule run reproducible; an unseeded one (a one-off request
+    without `seed`) has nothing to reproduce and uses the measured costs and the load, and so does
+    a seeded one with coupled draws, whose text does not depend on the blocks drafted."""
     from gateway.core import draft_config
 
     hot = SamplingParams(temperature=0.7)
     assert draft_config({}, hot, 4).cost_model == "measured"
-    assert draft_config({"seed": 7}, hot, 4).cost_model == "auto"  # auto = static for sampling
+    assert draft_config({"seed": 7}, hot, 4).cost_model == "auto"  # auto: static for the rejection rule
     assert draft_config({}, SamplingParams(), 4).cost_model == "auto"  # auto = measured for greedy
+    auto = DraftConfig(cost_model="auto")
+    eng.decoder._ratio.clear()
+    assert not eng.decoder._policy("tli", auto, hot)[0].measured
+    assert eng.decoder._policy("tli", auto, SamplingParams(temperature=0.7, coupled=True))[0].measured
+    assert eng.decoder._policy("tli", auto, SamplingParams())[0].measured
     cfg = draft_config({"num_draft_tokens": 12, "adaptive_draft": False}, hot, 4)
     assert (cfg.num_draft_tokens, cfg.adaptive, cfg.max_draft_tokens) == (12, False, 12)
 
