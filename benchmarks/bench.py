@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="quick check before a change to the decoding path: 2 prompts x 48 tokens, greedy, no HF rows")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="greedy,sample")
+    ap.add_argument("--modes", default="greedy,sample", help="greedy, sample (rejection rule), coupled")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--device", default="cpu")
@@ -231,7 +231,9 @@ def main() -> None:
     base_engine = Engine(target)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    modes = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=a.temperature)}
+    # sample: the rejection rule; coupled: coupled draws (crossdraft.coupled), whose text is target-only's
+    modes = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=a.temperature),
+             "coupled": SamplingParams(temperature=a.temperature, coupled=True)}
     rows: dict[tuple, dict] = {}
 
     repeats: dict[tuple, list[dict]] = {}  # (row key, prompt) -> every repeat's run
@@ -364,7 +366,7 @@ def ratio_lines(rows, labels) -> list[str]:
             btoks, bsecs = btoks + b["tokens"], bsecs + b["seconds"]
             same += x["token_ids"] == b["token_ids"]
         total = f"{(toks / secs) / (btoks / bsecs):.2f}x" if secs and bsecs else "-"
-        ident = f"{same}/{len(r['runs'])}" if mode == "greedy" else "n/a"
+        ident = f"{same}/{len(r['runs'])}" if mode in ("greedy", "coupled") else "n/a"
         out.append(f"| {mode} | {method} | {drafter} | " + " | ".join(cells) + f" | {total} | {ident} |")
     return out
 
@@ -397,7 +399,7 @@ def summarize(rows):
             row["paired_median_ratios"] = [round(m, 3) for m in med]
         if base_secs and tps:
             row["speedup_vs_target_only"] = round(tps / (base_toks / base_secs), 3)
-        if mode == "greedy":
+        if mode in ("greedy", "coupled"):  # both must give target-only's tokens exactly
             same = 0
             first_div = []
             for x in runs:
@@ -475,7 +477,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
              "| mode | method | drafter | tok/s | vs target-only | vs HF | acceptance | fidelity |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for r in summary:
-        if r["mode"] == "greedy":
+        if r["mode"] in ("greedy", "coupled"):
             fid = f"identical {r.get('identical_to_target_only', '-')}"
             if not r.get("lossless", True):
                 fid += " **NOT lossless**"

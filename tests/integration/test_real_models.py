@@ -83,6 +83,22 @@ def test_sampling_runs_and_reports_acceptance(engine):
     assert again.token_ids == out.token_ids  # seeded
 
 
+def test_coupled_sampling_identical_to_target_only(engine):
+    """Coupled draws with real models (fp32 target, cross-vocabulary drafter): a seed's sampled text
+    is target-only's, token for token, and drafts are still accepted."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, coupled=True)
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        for seed in (3, 4):
+            ref = engine.generate(prompt, max_new_tokens=N_TOKENS, params=params, seed=seed, use_drafter=False)
+            out = engine.generate(prompt, max_new_tokens=N_TOKENS, params=params, seed=seed,
+                                  draft=DraftConfig(num_draft_tokens=4, cost_model="static"))
+            assert out.token_ids == ref.token_ids, (prompt, seed)
+            assert out.stats.drafted > 0
+            accepted += out.stats.accepted
+    assert accepted > 0
+
+
 @pytest.fixture(scope="module")
 def smol_int8():
     return M.load_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize="int8")
