@@ -30,6 +30,11 @@ from .vocab import TokenPair, chat_ids  # noqa: F401  (the pair is the loop's vo
 from .workers import Expect
 
 
+def draws_of(params) -> str:
+    """Stats.draws for a request's sampling parameters."""
+    return "greedy" if params.greedy else "coupled" if params.coupled else "rejection"
+
+
 @dataclass
 class Stats:
     """Per-call statistics, JSON-friendly."""
@@ -45,6 +50,9 @@ class Stats:
     healed: int = 0  # text mode: blocks whose drafter re-chose its last id (token healing, crossdraft.healing)
     skipped_rounds: int = 0  # speculative rounds in which the policy drafted nothing (drafting did not pay)
     cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
+    # how each token was chosen: "greedy" (argmax), "coupled" (a function of (seed, position): the same
+    # text with or without a drafter) or "rejection" (the classic accept/resample rule)
+    draws: str = ""
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
@@ -356,7 +364,8 @@ class Decoder:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
         stops = check_stop(stop)
         check_int("top_logprobs", top_logprobs, -1, 20)
-        req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, Stats(prompt_tokens=len(target_ids)),
+        stats = Stats(prompt_tokens=len(target_ids), draws=draws_of(params))
+        req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, stats,
                        spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None,
                        stop=tuple(x.encode("utf-8") for x in stops), top_logprobs=top_logprobs)
         run = Run(None)

@@ -1107,6 +1107,7 @@ class LoadedModel:
     kind: str = field(default="hf_dir")  # "catalog" | "hf_dir" | "gguf" | "hub"
     revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
     quantize: str = "none"  # "int8": the linear layers carry int8 weights for few-row calls (crossdraft.quant)
+    cpu_linear: str = "plain"  # "packed": fp32 linear layers run on oneDNN-packed weights (crossdraft.cpulinear)
 
 
 def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
@@ -1151,6 +1152,7 @@ def load_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
     quantize: str = "none",
+    cpu_linear: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
@@ -1164,11 +1166,13 @@ def load_model(
     ``max_memory`` go to ``from_pretrained`` and ``LoadedModel.device`` is where the input
     embeddings landed. ``quantize``: ``none`` (default), ``int8`` or ``auto`` -- int8 weight copies
     for few-row forwards, for *drafters* only (see :mod:`crossdraft.quant`; ``auto`` = int8 on a CPU
-    in bf16/fp16).
+    in bf16/fp16). ``cpu_linear``: ``auto`` (default; ``None`` reads ``CROSSDRAFT_CPU_LINEAR``),
+    ``packed`` or ``plain`` -- float32 CPU linear layers on oneDNN-packed weights where that measures
+    faster on this machine (see :mod:`crossdraft.cpulinear`).
     """
     from transformers import AutoModelForCausalLM
 
-    from . import quant
+    from . import cpulinear, quant
 
     torch_dtype = torch.float32 if dtype is None else parse_dtype(dtype)
     if max_memory is not None and device_map is None:
@@ -1215,6 +1219,7 @@ def load_model(
     qmode = quant.resolve_mode(quantize, model.get_input_embeddings().weight.device, model.dtype)
     if qmode == "int8" and quant.quantize_int8(model) == 0:
         qmode = "none"  # no layer the kernel can take
+    lmode = cpulinear.pack_linears(model, cpu_linear)  # fp32 CPU layers only; measured per machine
     tokenizer = _tokenizer_from(ref, trust_remote_code)
     emb = model.get_input_embeddings()
     dev = emb.weight.device if emb is not None else (target or torch.device("cpu"))
@@ -1237,4 +1242,5 @@ def load_model(
         kind=ref.kind,
         revision=ref.revision,
         quantize=qmode,
+        cpu_linear=lmode,
     )

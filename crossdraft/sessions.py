@@ -54,6 +54,9 @@ def cost_numbers(model, head_rows: int | None = None) -> tuple[int, int, int]:
     if hw is not None:
         rows = hw.shape[0] if head_rows is None else head_rows
         row_bytes = hw.shape[1] * hw.element_size()
+    from .cpulinear import packed_bytes
+
+    total += packed_bytes(model)  # weights that moved into oneDNN's layout (crossdraft.cpulinear)
     overhead = 60e6 * next(model.parameters()).element_size()
     return int(total + overhead), int(row_bytes), int(rows)
 

@@ -311,7 +311,8 @@ class Metrics:
 def stats_dict(stats) -> dict:
     d = stats.to_dict()
     return {
-        "mode": d["mode"], "draft_mode": d["draft_mode"], "rounds": d["rounds"], "drafted": d["drafted"],
+        "mode": d["mode"], "draft_mode": d["draft_mode"], "draws": d["draws"], "rounds": d["rounds"],
+        "drafted": d["drafted"],
         "accepted": d["accepted"], "acceptance_rate": d["acceptance_rate"],
         "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
         "skipped_rounds": d["skipped_rounds"], "drafter_fallback": d["drafter_fallback"],
@@ -328,7 +329,7 @@ def add_stats(total: dict, s: dict) -> dict:
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0
-    out["mode"], out["draft_mode"] = s["mode"], s["draft_mode"]
+    out["mode"], out["draft_mode"], out["draws"] = s["mode"], s["draft_mode"], s["draws"]
     out["drafter_fallback"] = bool(total.get("drafter_fallback")) or s["drafter_fallback"]
     out["fallback_reason"] = s["fallback_reason"] or total.get("fallback_reason", "")
     return out

@@ -232,6 +232,8 @@ def openapi_document(max_new_tokens: int = 4096) -> dict:
                                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}},
                 "SpeculativeStats": {"type": "object", "required": ["mode", "rounds", "drafted", "accepted"],
                                      "properties": {"mode": {"enum": ["speculative", "target-only"]},
+                                                    "draft_mode": {"enum": ["tli", "text", ""]},
+                                                    "draws": {"enum": ["greedy", "coupled", "rejection"]},
                                                     "rounds": {"type": "integer", "minimum": 0},
                                                     "drafted": {"type": "integer", "minimum": 0},
                                                     "accepted": {"type": "integer", "minimum": 0},

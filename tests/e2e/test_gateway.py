@@ -98,8 +98,13 @@ def test_a_seed_gives_the_same_text_with_or_without_the_drafter(stack, engine):
                               seed=seed, use_drafter=False)
         assert spec["choices"][0]["text"] == fixed["choices"][0]["text"] == alone["choices"][0]["text"] == ref.text
         assert alone["speculative"]["drafted"] == 0
+        assert {r["speculative"]["draws"] for r in (spec, fixed, alone)} == {"coupled"}
         drafted += fixed["speculative"]["drafted"]
     assert drafted > 0
+    # without a seed, sampling keeps the rejection rule; greedy says so too
+    unseeded = rest(stack, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.9}).json()
+    greedy = rest(stack, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 8}).json()
+    assert (unseeded["speculative"]["draws"], greedy["speculative"]["draws"]) == ("rejection", "greedy")
 
 
 @pytest.mark.parametrize("http_attr", ["http", "http2"])
@@ -120,6 +125,7 @@ def test_grpc_stream_deltas_concatenate(stack):
         pieces = list(c.stream(PROMPTS[2], max_new_tokens=30, temperature=0.9, seed=4))
         whole = c.generate(PROMPTS[2], max_new_tokens=30, temperature=0.9, seed=4)
     assert "".join(pieces) == whole.text
+    assert whole.stats["draws"] == "coupled"
 
 
 def test_session_continues_identically_on_a_second_gateway(stack):

@@ -60,6 +60,7 @@ def test_greedy_is_token_identical(tli, prompt, k, adaptive, mode):
     assert out.text == ref.text
     assert out.stats.mode == "speculative" and out.stats.drafted > 0
     assert out.stats.draft_mode == mode
+    assert out.stats.draws == ref.stats.draws == "greedy"
 
 
 def test_text_drafting_refuses_sampling(tli):
@@ -272,6 +273,12 @@ def test_same_vocab_high_acceptance_matches_target_only_distribution(same_vocab_
     assert rate > 0.3
 
 
+def test_stats_name_the_draws(tli):
+    """Stats.draws tells a caller how the tokens were chosen; unseeded-style rejection sampling here."""
+    out = tli.generate(PROMPTS[0], max_new_tokens=4, params=SamplingParams(temperature=1.0), seed=1)
+    assert out.stats.draws == "rejection" and out.stats.to_dict()["draws"] == "rejection"
+
+
 def test_chi_square_detects_a_lossy_sampler(tli_no_eos, monkeypatch):
     """Negative control: accept every draft (the HF 5.24 failure mode) and the check must fail."""
     params = SamplingParams(temperature=1.0)
@@ -407,6 +414,7 @@ def test_coupled_sampling_gives_the_target_only_text_whatever_is_drafted(request
                 draft = DraftConfig(num_draft_tokens=k, adaptive=adaptive, cost_model="static")
                 out = engine.generate(prompt, max_new_tokens=24, params=params, seed=seed, draft=draft)
                 assert out.token_ids == ref.token_ids, (seed, prompt, k, adaptive)
+                assert out.stats.draws == ref.stats.draws == "coupled"
                 drafted += out.stats.drafted
                 accepted += out.stats.accepted
     assert accepted < drafted  # rejections happened
