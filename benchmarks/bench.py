@@ -456,6 +456,8 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "target_dtype": str(target.dtype),
         "drafter_dtypes": {n: str(d.dtype) for n, d in drafters.items()},
         "drafter_quantize": {n: d.quantize for n, d in drafters.items()},
+        "cpu_linear": {"target": getattr(target, "cpu_linear", "plain"),
+                       **{n: getattr(d, "cpu_linear", "plain") for n, d in drafters.items()}},
         "device": a.device,
         "prompts": len({x["prompt"] for r in rows.values() for x in r["runs"]}),
         "max_new_tokens": a.max_new_tokens,

@@ -95,6 +95,8 @@ spec:
         {{- end }}
         - name: CROSSDRAFT_DEVICE
           value: {{ $v.device | quote }}
+        - name: CROSSDRAFT_CPU_LINEAR
+          value: {{ $v.cpuLinear | default "auto" | quote }}
         - name: CROSSDRAFT_HOST
           value: "0.0.0.0"
         - name: CROSSDRAFT_PORT
