@@ -204,6 +204,9 @@ def _cache_key(loaded, max_tokens: int) -> str | None:
     q = getattr(loaded, "quantize", "none")
     if q and q != "none":  # int8 weight copies change the small forwards' times (crossdraft.quant)
         parts.append(f"quantize={q}")
+    act = getattr(loaded, "quantize_act", "")
+    if act:  # an fp32 model's int8 layers: fp32 or bf16 activations
+        parts.append(f"quantize_act={act}")
     lin = getattr(loaded, "cpu_linear", "plain")
     if lin and lin != "plain":  # oneDNN-packed weights change every forward's time (crossdraft.cpulinear)
         parts.append(f"cpu_linear={lin}")

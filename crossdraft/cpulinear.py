@@ -80,19 +80,22 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed{dense}"
 
 
-def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """fp32 CPU ``nn.Linear`` layers, and int8 layers (crossdraft.quant) whose wide calls use fp32."""
+    from .quant import Int8Linear
+
     out = []
     for parent in model.modules():
         for name, child in parent.named_children():
             w = getattr(child, "weight", None)
-            if (type(child) is nn.Linear and w is not None and w.dim() == 2 and w.device.type == "cpu"
-                    and w.dtype == torch.float32):
+            ok = type(child) is nn.Linear or (isinstance(child, Int8Linear) and child.wide is None)
+            if ok and w is not None and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.float32:
                 out.append((parent, name, child))
     return out
 
 
 @torch.inference_mode()
-def _agrees(lin: nn.Linear, packed: PackedLinear) -> bool:
+def _agrees(lin: nn.Module, packed: PackedLinear) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, lin.in_features, generator=g)
     want = nn.functional.linear(x, lin.weight, lin.bias)
@@ -139,7 +142,7 @@ def pack_linears(model: nn.Module, mode: str | None = "auto") -> str:
         return "plain"
     head = getattr(model, "lm_head", None)
     if mode == "auto":
-        body = [c for _, _, c in cands if c is not head] or [c for _, _, c in cands]
+        body = [c for _, _, c in cands if c is not head] or [c for _, _, c in cands]  # (their float weights)
         plain_s, packed_s = measure(max(body, key=lambda c: c.weight.numel()))
         if packed_s >= plain_s:
             return "plain"
@@ -148,11 +151,15 @@ def pack_linears(model: nn.Module, mode: str | None = "auto") -> str:
         users[id(prm)] = users.get(id(prm), 0) + 1
     swapped = 0
     for parent, name, lin in cands:
-        keep = lin is head or users.get(id(lin.weight), 0) > 1
+        int8 = type(lin) is not nn.Linear  # an Int8Linear: its wide calls (prefills, syncs) go packed
+        keep = int8 or lin is head or users.get(id(lin.weight), 0) > 1
         packed = PackedLinear(lin, keep_dense=keep)
         if not _agrees(lin, packed):
             continue
-        setattr(parent, name, packed)
+        if int8:
+            lin.wide = packed
+        else:
+            setattr(parent, name, packed)
         swapped += 1
     return "packed" if swapped else "plain"
 

@@ -1108,6 +1108,7 @@ class LoadedModel:
     revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
     quantize: str = "none"  # "int8": the linear layers carry int8 weights for few-row calls (crossdraft.quant)
     cpu_linear: str = "plain"  # "packed": fp32 linear layers run on oneDNN-packed weights (crossdraft.cpulinear)
+    quantize_act: str = ""  # int8 layers of an fp32 model: the kernel's activation dtype ("float32" / "bfloat16")
 
 
 def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
@@ -1216,8 +1217,14 @@ def load_model(
         _detach_gguf_quantizer(model)
     model.eval()
     model.requires_grad_(False)
-    qmode = quant.resolve_mode(quantize, model.get_input_embeddings().weight.device, model.dtype)
-    if qmode == "int8" and quant.quantize_int8(model) == 0:
+    qdev = model.get_input_embeddings().weight.device
+    qmode = quant.resolve_mode(quantize, qdev, model.dtype)
+    act = None
+    if model.dtype == torch.float32 and qdev.type == "cpu" and quant.parse_mode(quantize) != "none":
+        # an fp32 drafter: int8 with fp32 or bf16 activations, whichever is faster, where it pays
+        act = quant.choose_fp32(model, required=qmode == "int8")
+        qmode = "int8" if act is not None else "none"
+    if qmode == "int8" and quant.quantize_int8(model, act_dtype=act) == 0:
         qmode = "none"  # no layer the kernel can take
     lmode = cpulinear.pack_linears(model, cpu_linear)  # fp32 CPU layers only; measured per machine
     tokenizer = _tokenizer_from(ref, trust_remote_code)
@@ -1243,4 +1250,5 @@ def load_model(
         revision=ref.revision,
         quantize=qmode,
         cpu_linear=lmode,
+        quantize_act=str(act).replace("torch.", "") if qmode == "int8" and act is not None else "",
     )

@@ -273,6 +273,7 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             rpc.set_serving(health, ["", service_name], True)
             at = f"@{loaded.revision}" if loaded.revision else ""
             qd = ", int8 weights for one-token steps" if loaded.quantize == "int8" else ""
+            qd += f" ({loaded.quantize_act} activations)" if getattr(loaded, "quantize_act", "") else ""
             qd += ", oneDNN-packed linear layers" if loaded.cpu_linear == "packed" else ""
             print(f"crossdraft {kind}: serving {loaded.name}{at} ({dtype}{qd}) on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible

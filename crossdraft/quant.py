@@ -16,6 +16,13 @@ kernel, more rows (prefills, syncs, wide batches) the float one. Memory: +50% ov
 Limits found: in bf16 the kernel needs ``in_features % 16 == 0`` (other widths crashed or returned
 NaN in torch 2.13); such layers keep the float path, and every quantized layer is checked against
 its dequantized weight on a random input before it is used.
+
+Float32 drafters (CPUs without native bf16): the kernel's fp32-activation path is slow on some CPUs
+(an AVX2-only AMD EPYC, a 4864x896 projection: 2.4 ms for 1 row, vs 0.52 ms for the fp32 layer on
+oneDNN-packed weights), while its bf16-activation path took 0.23 ms there. So an fp32 layer may run
+the kernel on its input rounded to bf16 (``act_dtype``), converting the result back; which of the
+two activation types is used, and whether int8 is used at all under ``auto``, is measured on the
+model's largest layer at load (:func:`choose_fp32`). The drafts change a little, never the output.
 """
 
 from __future__ import annotations
@@ -72,21 +79,26 @@ class Int8Linear(nn.Module):
     embedding, a pruned head's rows, cost estimates) sees the float model.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = DEFAULT_MAX_ROWS,
+                 act_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
         self.max_rows = int(max_rows)
-        q, s = _quantize_rows(weight, weight.dtype)
+        # the kernel's activation dtype: the weight's, or bf16 for an fp32 layer (see the module doc)
+        self.act_dtype = act_dtype or weight.dtype
+        q, s = _quantize_rows(weight, self.act_dtype)
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", s, persistent=False)
+        self.wide: nn.Module | None = None  # calls of more rows (e.g. crossdraft.cpulinear.PackedLinear)
         self.int8_calls = 0  # work counting for tests: how many calls took the int8 kernel
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, max_rows: int = DEFAULT_MAX_ROWS) -> "Int8Linear":
-        return cls(lin.weight, lin.bias, max_rows)
+    def from_linear(cls, lin: nn.Linear, max_rows: int = DEFAULT_MAX_ROWS,
+                    act_dtype: torch.dtype | None = None) -> "Int8Linear":
+        return cls(lin.weight, lin.bias, max_rows, act_dtype)
 
     def rows(self, idx: torch.Tensor) -> "Int8Linear":
         """The layer restricted to some output rows (a pruned LM head). Quantization is per row, so
@@ -94,30 +106,33 @@ class Int8Linear(nn.Module):
         idx = idx.to(self.weight.device)
         w = self.weight.detach().index_select(0, idx).contiguous()
         bias = None if self.bias is None else self.bias.detach().index_select(0, idx)
-        return Int8Linear(w, bias, self.max_rows)
+        return Int8Linear(w, bias, self.max_rows, self.act_dtype)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if 0 < rows <= self.max_rows and x.dtype == self.scales.dtype and x.device.type == "cpu":
+        if 0 < rows <= self.max_rows and x.dtype == self.weight.dtype and x.device.type == "cpu":
             self.int8_calls += 1
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), self.qweight,
-                                                   self.scales)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            xk = x.reshape(rows, self.in_features).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xk.to(self.act_dtype), self.qweight, self.scales)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
+        if self.wide is not None:
+            return self.wide(x)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 up to {self.max_rows} rows"
+        act = "" if self.act_dtype == self.weight.dtype else f" ({self.act_dtype} activations)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 up to {self.max_rows} rows{act}"
 
 
-def _supported(lin: nn.Linear) -> bool:
+def _supported(lin: nn.Linear, act_dtype: torch.dtype | None = None) -> bool:
     w = lin.weight
     if w.dim() != 2 or w.device.type != "cpu":
         return False
-    if w.dtype != torch.float32 and w.shape[1] % 16:
+    if (act_dtype or w.dtype) != torch.float32 and w.shape[1] % 16:
         return False  # the bf16/fp16 kernel needs in_features % 16 == 0
     return True
 
@@ -125,29 +140,94 @@ def _supported(lin: nn.Linear) -> bool:
 @torch.inference_mode()
 def _check(layer: Int8Linear) -> bool:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, layer.in_features, generator=g).to(layer.weight.dtype)
+    x = torch.randn(1, layer.in_features, generator=g).to(layer.act_dtype)
     got = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales).float()
     want = x.float() @ layer.dequantized().T
     tol = 1e-2 * (want.abs().max().item() + 1.0)
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tol
 
 
-def quantize_int8(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
-    """Swap the decoder's linear layers and the LM head for :class:`Int8Linear` in place.
+def quantize_int8(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS, act_dtype: torch.dtype | None = None) -> int:
+    """Swap the decoder's linear layers and the LM head for :class:`Int8Linear` in place
+    (``act_dtype``: the kernel's activations, default each layer's own dtype).
     Returns how many layers were swapped (layers the kernel cannot take keep their float path)."""
     if not available():
         raise RuntimeError("torch.ops.aten._weight_int8pack_mm is not available in this torch")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or not _supported(child):
+            if type(child) is not nn.Linear or not _supported(child, act_dtype):
                 continue
-            q = Int8Linear.from_linear(child, max_rows)
+            q = Int8Linear.from_linear(child, max_rows, act_dtype)
             if not _check(q):
                 continue
             setattr(parent, name, q)
             swapped += 1
     return swapped
+
+
+def _best_pass(fns, xs, repeats: int = 3) -> float:
+    """Seconds of the fastest of ``repeats`` passes calling every fn on its input."""
+    import time
+
+    best = float("inf")
+    for r in range(repeats + 1):
+        t = time.perf_counter()
+        for f, x in zip(fns, xs):
+            f(x)
+        if r:  # the first pass warms up
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+PROBE_BYTES = 256 << 20  # timed layers' fp32 bytes: more than a CPU's caches, as in a real forward
+
+
+@torch.inference_mode()
+def choose_fp32(model: nn.Module, required: bool = False, margin: float = 0.9) -> torch.dtype | None:
+    """For an fp32 CPU model: the activation dtype (fp32 or bf16) with which the int8 kernel runs
+    the model's body layers fastest at 1 and 2 rows -- if that beats the float layers
+    (oneDNN-packed where available, crossdraft.cpulinear) by ``margin``, or in any case if
+    ``required`` (``quantize="int8"`` asked for). None: int8 does not pay on this machine.
+
+    Timed on the first body layers in model order, ~256 MB of fp32 weights, one call each per pass:
+    timing one layer over and over reads it from the CPU's caches, which flatters the float path
+    (measured: a 17 MB layer alone said fp32-packed 0.64 ms vs int8 0.45, half the runs too close
+    to call)."""
+    from . import cpulinear
+
+    head = getattr(model, "lm_head", None)
+    lins, size = [], 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (type(m) is nn.Linear and m is not head and w.dim() == 2 and w.dtype == torch.float32
+                and w.device.type == "cpu" and w.shape[1] % 16 == 0):
+            lins.append(m)
+            size += w.numel() * 4
+            if size >= PROBE_BYTES:
+                break
+    if not lins or not available():
+        return torch.float32 if required else None
+    g = torch.Generator().manual_seed(0)
+    rows = [[torch.randn(r, m.in_features, generator=g) for m in lins] for r in (1, 2)]
+    floats = [[(lambda x, m=m: nn.functional.linear(x, m.weight, m.bias)) for m in lins]]
+    if cpulinear.available():
+        floats.append([cpulinear.PackedLinear(m) for m in lins])
+    float_s = min(sum(_best_pass(fs, xs) for xs in rows) for fs in floats)
+    del floats
+    best, best_s = None, float("inf")
+    for act in (torch.float32, torch.bfloat16):
+        qs = [Int8Linear.from_linear(m, max_rows=2, act_dtype=act) for m in lins]
+        if not all(_check(q) for q in qs[:1]):
+            continue
+        s = sum(_best_pass(qs, xs) for xs in rows)
+        if s < best_s:
+            best, best_s = act, s
+    if required:
+        return best or torch.float32
+    if best is None or best_s > margin * float_s:
+        return None
+    return best
 
 
 def int8_calls(model: nn.Module) -> int:

@@ -220,3 +220,67 @@ def test_servers_refuse_a_bad_quantize_flag_before_loading(kind, args, needle):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
+
+
+def test_fp32_layers_can_run_the_kernel_on_bf16_activations():
+    """An fp32 drafter's int8 layer with act_dtype=bf16: few rows take the kernel on the input rounded
+    to bf16 (the result back in fp32), wide calls the float weight or the layer's ``wide`` module."""
+    from crossdraft import cpulinear
+
+    lin = _linear(48, 96, torch.float32, bias=True)
+    q = quant.Int8Linear.from_linear(lin, max_rows=4, act_dtype=torch.bfloat16)
+    assert q.scales.dtype == torch.bfloat16 and q.weight is lin.weight
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 48, generator=g)
+    y = q(x)
+    assert y.dtype == torch.float32 and q.int8_calls == 1
+    want = x.bfloat16().float() @ q.dequantized().T + lin.bias
+    assert float((y - want).abs().max()) <= 2e-2 * (float(want.abs().max()) + 1)
+    wide = torch.randn(6, 48, generator=g)
+    assert torch.equal(q(wide), lin(wide)) and q.int8_calls == 1
+    if cpulinear.available():
+        q.wide = cpulinear.PackedLinear(lin, keep_dense=True)
+        assert torch.equal(q(wide), q.wide(wide)) and q.wide.calls == 2 and q.int8_calls == 1
+    # pruned rows keep the activation dtype
+    assert q.rows(torch.tensor([1, 5])).act_dtype == torch.bfloat16
+
+
+def test_choose_fp32_names_an_activation_dtype_or_declines(tok_d):
+    lm = tiny_lm(tok_d, seed=2, hidden=64)
+    got = quant.choose_fp32(lm.model)
+    assert got in (None, torch.float32, torch.bfloat16)
+    assert quant.choose_fp32(lm.model, required=True) in (torch.float32, torch.bfloat16)  # int8 asked for
+
+
+def test_an_fp32_int8_drafter_with_packed_wide_calls_leaves_greedy_output_unchanged(target, tok_d, tmp_path):
+    from crossdraft import cpulinear
+
+    d = copy.deepcopy(tiny_lm(tok_d, seed=2, hidden=64))
+    assert quant.quantize_int8(d.model, act_dtype=torch.bfloat16) > 0
+    if cpulinear.available():
+        assert cpulinear.pack_linears(d.model, "packed") == "packed"
+        assert all(m.wide is not None for m in d.model.modules() if isinstance(m, quant.Int8Linear))
+    eng = Engine(target, d, vocab_cache_dir=tmp_path)
+    before = quant.int8_calls(d.model)
+    drafted = 0
+    for prompt in PROMPTS:
+        ref = eng.generate(prompt, max_new_tokens=24, use_drafter=False)
+        out = eng.generate(prompt, max_new_tokens=24, draft=DraftConfig(num_draft_tokens=4, adaptive=False))
+        assert out.token_ids == ref.token_ids
+        drafted += out.stats.drafted
+    assert drafted > 0 and quant.int8_calls(d.model) > before
+    if cpulinear.available():  # the prompt's prefill went through the packed float weights
+        assert cpulinear.packed_calls(d.model) > 0
+
+
+def test_the_cost_cache_keys_on_the_activation_dtype(tmp_path):
+    class L:
+        path = tmp_path
+        device = torch.device("cpu")
+        dtype = torch.float32
+        quantize = "int8"
+        quantize_act = "float32"
+
+    a = costs._cache_key(L, 17)
+    L.quantize_act = "bfloat16"
+    assert a and costs._cache_key(L, 17) not in (None, a)
