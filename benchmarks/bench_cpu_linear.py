@@ -1,6 +1,9 @@
 """Benchmark: fp32 CPU linear layers, torch's default (plain) vs oneDNN-packed weights, side by side.
 
-Loads the pair twice (``cpu_linear="plain"`` and ``"packed"``, crossdraft.cpulinear) and, per prompt
+Loads the pair twice -- ``plain``: ``cpu_linear="plain"`` and a float drafter (the defaults before
+crossdraft.cpulinear); ``packed``: ``cpu_linear="packed"`` and the drafter with ``--drafter-quantize``
+(default ``auto``: int8 copies with bf16 activations where they measure faster, crossdraft.quant)
+-- and, per prompt
 and repeat, runs in alternating order target-only and speculative greedy decoding with each, so a
 slow moment of the shared machine hits both alike. Prints tokens/s, the packed/plain ratios and
 whether every greedy output equals the plain target-only one; writes ``<out>/<tag>.json`` with the
@@ -35,6 +38,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--tag", default="cpu-linear")
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"))
     a = ap.parse_args()
 
     import bench
@@ -44,14 +48,17 @@ def main() -> int:
     from crossdraft.engine import Engine
 
     prompts = bench.prompt_set(a.prompt_set, a.prompts)
-    engines = {}
+    engines, loaded = {}, {}
     for mode in ("plain", "packed"):
         t0 = time.perf_counter()
         target = M.load_model(a.target, dtype="float32", cpu_linear=mode, progress=False)
-        drafter = M.load_model(a.drafter, dtype="float32", cpu_linear=mode, progress=False) if a.drafter else None
+        q = a.drafter_quantize if mode == "packed" else "none"
+        drafter = M.load_model(a.drafter, dtype="float32", cpu_linear=mode, quantize=q,
+                               progress=False) if a.drafter else None
         engines[mode] = Engine(target, drafter)
-        print(f"{mode}: loaded in {time.perf_counter() - t0:.1f}s (target {target.cpu_linear}, drafter "
-              f"{drafter.cpu_linear if drafter else '-'})", flush=True)
+        loaded[mode] = {"target": target.cpu_linear, "drafter": drafter.cpu_linear if drafter else "",
+                        "drafter_quantize": f"{drafter.quantize} {drafter.quantize_act}".strip() if drafter else ""}
+        print(f"{mode}: loaded in {time.perf_counter() - t0:.1f}s {loaded[mode]}", flush=True)
         if mode == "packed" and target.cpu_linear != "packed":
             print("oneDNN packing not available here: nothing to compare", flush=True)
             return 1
@@ -106,7 +113,7 @@ def main() -> int:
             "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, **bench.git_commit(),
             "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
             "cpu": bench._cpu_name(),
-            "time": time.strftime("%Y-%m-%d %H:%M")}
+            "time": time.strftime("%Y-%m-%d %H:%M"), "loaded": loaded}
     for r in runs:
         del r["token_ids"]
     (out / f"{a.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary, "identical": identical,
