@@ -123,21 +123,6 @@ def test_greedy_on_packed_models_is_token_identical_to_the_plain_target(target, 
     assert cpulinear.packed_calls(pt.model) > 0 and cpulinear.packed_calls(pd.model) > 0
 
 
-def test_the_cost_cache_keys_on_the_linear_mode(tmp_path):
-    from crossdraft import costs
-
-    class L:
-        path = tmp_path
-        device = torch.device("cpu")
-        dtype = torch.float32
-        quantize = "none"
-        cpu_linear = "plain"
-
-    a = costs._cache_key(L, 17)
-    L.cpu_linear = "packed"
-    assert a and costs._cache_key(L, 17) not in (None, a)
-
-
 def test_servers_refuse_a_bad_cpu_linear_flag_before_loading():
     """A real server process: the flag is checked before any model loads (exit 2, the field named)."""
     import subprocess

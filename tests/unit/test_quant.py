@@ -171,17 +171,21 @@ def test_a_quantized_drafter_keeps_sampling_lossless(tok_t):
     assert quant.int8_calls(drafter.model) > 0
 
 
-def test_the_cost_cache_keys_on_the_quantization(tmp_path):
+@pytest.mark.parametrize("attr, before, after", [
+    ("quantize", "none", "int8"),                # int8 weight copies change the small forwards' times
+    ("quantize_act", "float32", "bfloat16"),     # an fp32 model's int8 layers: which activations
+    ("cpu_linear", "plain", "packed"),           # oneDNN-packed fp32 layers (crossdraft.cpulinear)
+])
+def test_the_cost_cache_keys_on_the_weights_variant(tmp_path, attr, before, after):
     class L:
         path = tmp_path
         device = torch.device("cpu")
-        dtype = torch.bfloat16
-        quantize = "none"
+        dtype = torch.float32
 
+    setattr(L, attr, before)
     a = costs._cache_key(L, 17)
-    L.quantize = "int8"
-    b = costs._cache_key(L, 17)
-    assert a and b and a != b
+    setattr(L, attr, after)
+    assert a and costs._cache_key(L, 17) not in (None, a)
 
 
 def test_verifier_weights_stay_exact():
@@ -271,16 +275,3 @@ def test_an_fp32_int8_drafter_with_packed_wide_calls_leaves_greedy_output_unchan
     assert drafted > 0 and quant.int8_calls(d.model) > before
     if cpulinear.available():  # the prompt's prefill went through the packed float weights
         assert cpulinear.packed_calls(d.model) > 0
-
-
-def test_the_cost_cache_keys_on_the_activation_dtype(tmp_path):
-    class L:
-        path = tmp_path
-        device = torch.device("cpu")
-        dtype = torch.float32
-        quantize = "int8"
-        quantize_act = "float32"
-
-    a = costs._cache_key(L, 17)
-    L.quantize_act = "bfloat16"
-    assert a and costs._cache_key(L, 17) not in (None, a)
