@@ -60,7 +60,9 @@ def stack(tiny_dirs, tmp_path_factory):
     try:
         v, vaddr = model_server("verifier", str(t_dir), logs, extra=["--max-sessions", "8"])
         procs.append(v)
-        d, daddr = model_server("drafter", str(d_dir), logs, extra=["--max-sessions", "8"])
+        # float weights like the in-process engines the tests compare round counts with (an fp32
+        # drafter server may otherwise choose int8 copies at load, by timing: crossdraft.quant)
+        d, daddr = model_server("drafter", str(d_dir), logs, extra=["--max-sessions", "8", "--quantize", "none"])
         procs.append(d)
         wait_grpc_healthy(vaddr, v)
         wait_grpc_healthy(daddr, d)

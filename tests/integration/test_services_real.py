@@ -49,7 +49,9 @@ def stack(tmp_path_factory):
     try:
         v, vaddr = model_server("verifier", TARGET, logs, dtype="float32")
         procs.append(v)
-        d, daddr = model_server("drafter", DRAFTER, logs, dtype="float32")
+        # float drafter weights, as the in-process engine's: round counts are compared (an fp32 drafter
+        # server may otherwise choose int8 copies at load, crossdraft.quant.choose_fp32)
+        d, daddr = model_server("drafter", DRAFTER, logs, dtype="float32", extra=["--quantize", "none"])
         procs.append(d)
         wait_grpc_healthy(vaddr, v, timeout=300)
         wait_grpc_healthy(daddr, d, timeout=300)
