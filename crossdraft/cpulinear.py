@@ -81,14 +81,14 @@ class PackedLinear(nn.Module):
 
 
 def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """fp32 CPU ``nn.Linear`` layers, and int8 layers (crossdraft.quant) whose wide calls use fp32."""
-    from .quant import Int8Linear
-
+    """fp32 CPU ``nn.Linear`` layers, and int8 layers whose wide calls use the fp32 weight (modules
+    with a ``qweight`` and an unset ``wide``: crossdraft.quant.Int8Linear, which imports this module)."""
     out = []
     for parent in model.modules():
         for name, child in parent.named_children():
             w = getattr(child, "weight", None)
-            ok = type(child) is nn.Linear or (isinstance(child, Int8Linear) and child.wide is None)
+            int8 = hasattr(child, "qweight") and getattr(child, "wide", False) is None
+            ok = type(child) is nn.Linear or int8
             if ok and w is not None and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.float32:
                 out.append((parent, name, child))
     return out
