@@ -13,7 +13,8 @@ row, 2.6 for 2, 3.4 for 4, 4.1 for 8 and 54 ms instead of 69 for a 256-row prefi
 
 A second property matters for losslessness tests: with the packed weight, every row of a k-row
 call is bitwise equal to the same row computed alone (MKL's k-row and 1-row results differed by
-~2e-6), so fp32 greedy verification of a block gives exactly the logits of one-token decoding.
+~2e-6), so the linear layers of an fp32 verification block compute exactly what one-token
+decoding computes (attention may still round differently).
 
 Which is faster depends on the CPU (and MKL's choices on it), so ``auto`` measures: the model's
 largest body layer at 1 and 8 rows, both ways, and packs only where oneDNN wins. Float32 only (bf16
