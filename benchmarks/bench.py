@@ -199,6 +199,9 @@ def main() -> None:
     ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
                     help="int8 weight copies for the drafters' one-token steps (crossdraft/quant.py); the HF rows "
                          "use the same drafter objects")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="crossdraft's drafters draft from their this many most frequent tokens (Engine draft_vocab; "
+                         "default: the engine's); 0 = all")
     ap.add_argument("--no-heal", action="store_true", help="text drafting without token healing (crossdraft.healing)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--hf-target-only", action="store_true", help="also time HF generate() without a drafter")
@@ -227,7 +230,9 @@ def main() -> None:
     for name in [d for d in a.drafters.split(",") if d]:
         drafters[name] = M.load_model(name, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device),
                                       quantize=a.drafter_quantize)
-    engines = {name: Engine(target, d) for name, d in drafters.items()}
+    dv = {} if a.draft_vocab is None else {"draft_vocab": a.draft_vocab}
+    engines = {name: Engine(target, d, **dv) for name, d in drafters.items()}
+    a.draft_vocab_used = {name: e.pair.draft_vocab for name, e in engines.items()}
     base_engine = Engine(target)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -456,6 +461,7 @@ def write_results(a, rows, prompts, target, drafters, final=False):
         "target_dtype": str(target.dtype),
         "drafter_dtypes": {n: str(d.dtype) for n, d in drafters.items()},
         "drafter_quantize": {n: d.quantize for n, d in drafters.items()},
+        "draft_vocab": getattr(a, "draft_vocab_used", {}),
         "cpu_linear": {"target": getattr(target, "cpu_linear", "plain"),
                        **{n: getattr(d, "cpu_linear", "plain") for n, d in drafters.items()}},
         "device": a.device,

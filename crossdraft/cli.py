@@ -8,6 +8,7 @@ import os
 import sys
 
 from .errors import CrossdraftError, InvalidArgument
+from .policy import DEFAULT_DRAFT_VOCAB
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
@@ -90,6 +91,9 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
                         "else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
+    p.add_argument("--draft-vocab", type=_int_arg("--draft-vocab", 0), default=None,
+                   help="the drafter drafts from its this many most frequent tokens only (its LM head is pruned "
+                        f"to them: cheaper steps; lossless either way); 0 = all (default: {DEFAULT_DRAFT_VOCAB})")
     p.add_argument("--stop-cumulative", type=_float_arg("--stop-cumulative"), default=None,
                    help="end a block once the product of its proposals' probabilities is below this "
                         "(default: from the models' costs for greedy adaptive decoding; 0 = off)")
@@ -230,7 +234,8 @@ def cmd_generate(a) -> int:
                                revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
                                quantize=getattr(a, "drafter_quantize", "auto"),
                                cpu_linear=getattr(a, "cpu_linear", None))
-    engine = Engine(target, drafter)
+    dv = getattr(a, "draft_vocab", None)
+    engine = Engine(target, drafter, draft_vocab=DEFAULT_DRAFT_VOCAB if dv is None else dv)
     prompt = a.prompt
     if a.chat:
         res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,

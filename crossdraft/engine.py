@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from .decode import Decoder, GenerationResult, Stats  # noqa: F401  (re-exported)
 from .errors import InvalidArgument
-from .policy import DraftConfig  # noqa: F401  (re-exported: crossdraft.engine.DraftConfig)
+from .policy import (  # noqa: F401  (DraftConfig re-exported: crossdraft.engine.DraftConfig)
+    DEFAULT_DRAFT_VOCAB,
+    DraftConfig,
+)
 from .sampling import SamplingParams
 from .vocab import TokenPair
 from .workers import DrafterWorker, VerifierWorker, WorkerConfig
@@ -31,12 +34,13 @@ class Engine:
     over gRPC, so both produce the same tokens.
     """
 
-    def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None):
+    def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None,
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
         self.target = target
         self.drafter = drafter
         self.pair = TokenPair(target.tokenizer, drafter.tokenizer if drafter is not None else None,
                               int(target.vocab_size), int(drafter.vocab_size) if drafter is not None else 0,
-                              mapping=mapping, vocab_cache_dir=vocab_cache_dir)
+                              mapping=mapping, vocab_cache_dir=vocab_cache_dir, draft_vocab=draft_vocab)
         self.mapping = self.pair.mapping
         cfg = WorkerConfig(max_sessions=4)
         self.verifier = VerifierWorker(target, cfg)

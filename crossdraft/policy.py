@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument, check_int
 
+# The drafter's draft vocabulary by default (vocab.TokenPair's draft_vocab, the gateway's --draft-vocab):
+# its this many most frequent tokens (vocab.frequency_order); 0 = every token
+DEFAULT_DRAFT_VOCAB = 0
+
 
 @dataclass(frozen=True)
 class DraftConfig:

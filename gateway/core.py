@@ -27,7 +27,7 @@ from crossdraft.errors import (
     check_number,
     check_session_id,
 )
-from crossdraft.policy import DraftConfig
+from crossdraft.policy import DEFAULT_DRAFT_VOCAB, DraftConfig
 from crossdraft.sampling import SamplingParams
 from crossdraft.tls import TLSConfig
 from crossdraft.vocab import TokenPair
@@ -61,6 +61,8 @@ class GatewayConfig:
     # verification; the draft-length policy prices a lone drafter under load by that): "auto" = both
     # addresses on this host's loopback or the same host, "yes", "no"
     colocated: str = "auto"
+    # the drafter drafts from its this many most frequent tokens only (vocab.TokenPair); 0 = every token
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB
     verifier_timeout_s: float = 120.0  # deadline of one Verify call
     max_new_tokens_limit: int = 4096  # largest max_new_tokens accepted
     default_max_new_tokens: int = 64  # when a request gives none

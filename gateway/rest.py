@@ -592,6 +592,8 @@ class RestApi:
             return JSONResponse({"drafter": None, "message": "no drafter: target-only"})
         st = pair.mapping.stats()
         st.update({"drafter_allowed_tli": int(pair.allowed.sum()), "drafter_allowed_text": int(pair.allowed_text.sum()),
+                   "draft_vocab": pair.draft_vocab, "drafter_drafts_tli": int(pair.masks["tli"].sum()),
+                   "drafter_drafts_text": int(pair.masks["text"].sum()),
                    "same_vocabulary": bool(pair.same_vocab), "target_vocab_size": pair.vt,
                    "drafter_vocab_size": pair.vd})
         return JSONResponse(json.loads(json.dumps(st, default=lambda o: o.item() if hasattr(o, "item") else str(o))))

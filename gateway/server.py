@@ -10,6 +10,7 @@ import threading
 import time
 
 from crossdraft.errors import CrossdraftError, InvalidArgument
+from crossdraft.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.tls import TLSConfig
 
 from .core import GatewayConfig
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whether the drafters compute on their verifiers' hardware (their steps then stall the "
                         "verification of every session; the draft-length policy prices drafting under load by it): "
                         "auto = both addresses on the loopback or the same host")
+    p.add_argument("--draft-vocab", type=int, default=int(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
+                   help="the drafter drafts from its this many most frequent tokens only (by its tokenizer's merge "
+                        "order; its LM head is pruned to them, so its steps read fewer weights; the output is "
+                        "unchanged: the target verifies every token); 0 = every token (env CROSSDRAFT_DRAFT_VOCAB)")
     p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
     p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
     p.add_argument("--default-max-new-tokens", type=int, default=int(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
@@ -118,6 +123,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("default_temperature", "must be >= 0")
     if a.colocated not in ("auto", "yes", "no"):
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
+    if a.draft_vocab < 0:
+        raise InvalidArgument("draft_vocab", f"must be >= 0 (0 = every token), got {a.draft_vocab}")
     if a.max_concurrent_requests < 1:
         raise InvalidArgument("max_concurrent_requests", f"must be >= 1, got {a.max_concurrent_requests}")
     if a.max_queued_requests < 0:
@@ -149,7 +156,7 @@ def config_from_args(a) -> GatewayConfig:
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                         round_log=a.round_log, colocated=a.colocated,
+                         round_log=a.round_log, colocated=a.colocated, draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,
@@ -205,7 +212,8 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     _check_digest(t_tok, vinfo, "target")
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
-    pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0)
+    pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0,
+                     draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
                               tls_ca_file=cfg.redis_tls_ca_file)
     return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],

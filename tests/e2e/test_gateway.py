@@ -174,6 +174,8 @@ def test_models_vocab_health_metrics(stack):
     assert m["object"] == "list" and m["data"][0]["id"].endswith("tiny-target")
     v = requests.get(stack.http + "/v1/vocab", timeout=10).json()
     assert v["drafter_allowed_tli"] > 0 and v["target_vocab_size"] > 0
+    # no --draft-vocab: the drafter drafts from the whole intersection
+    assert v["draft_vocab"] == 0 and v["drafter_drafts_tli"] == v["drafter_allowed_tli"]
     assert requests.get(stack.http + "/healthz", timeout=10).status_code == 200
     assert requests.get(stack.http + "/readyz", timeout=10).status_code == 200
     rest(stack, "/v1/completions", {"prompt": "abc", "max_tokens": 8})
@@ -294,3 +296,26 @@ def test_model_servers_fork_sessions_over_grpc(stack):
             assert c.end("fork-src") and c.end("fork-dst")
         finally:
             c.close()
+
+
+def test_a_gateway_with_a_smaller_draft_vocabulary_gives_the_same_greedy_text(stack, tmp_path):
+    """--draft-vocab N: the drafter server registers the smaller masks (its head pruned to them), and
+    greedy completions stay the target's own, through a real gateway process."""
+    from tests.service_fixtures import gateway, wait_http_ready
+
+    g, http, _ = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, tmp_path, drafter_timeout_s=5,
+                         extra=["--draft-vocab", "150"])
+    try:
+        wait_http_ready(http, g)
+        v = requests.get(http + "/v1/vocab", timeout=10).json()
+        assert v["draft_vocab"] == 150
+        assert 0 < v["drafter_drafts_tli"] < v["drafter_allowed_tli"]
+        assert 0 < v["drafter_drafts_text"] < v["drafter_allowed_text"]
+        for prompt in ("def fib(n):", "The quick brown fox"):
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+            ref = rest(stack, "/v1/completions", dict(body, use_drafter=False)).json()
+            out = rest(stack, "/v1/completions", body, http=http).json()
+            assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+            assert out["speculative"]["drafted"] > 0
+    finally:
+        g.stop()

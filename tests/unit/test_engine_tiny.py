@@ -457,3 +457,31 @@ def test_coupled_drafting_ships_no_distribution_and_reads_the_targets_noise(tli_
     allowed = w.allowed(engine.pair.keys["tli"])
     assert allowed.target_ids is not None
     assert np.array_equal(allowed.target_ids, engine.pair.d2t[allowed.ids.numpy()])
+
+
+# ---- a smaller draft vocabulary (the drafter's most frequent tokens) --------------------------
+
+
+@pytest.mark.parametrize("mode", ["tli", "text"])
+def test_a_smaller_draft_vocabulary_keeps_greedy_identical_and_prunes_the_head(target, drafter, tmp_path_factory,
+                                                                                mode):
+    full = Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+    eng = Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"), draft_vocab=160)
+    draft = DraftConfig(num_draft_tokens=3, adaptive=False, mode=mode)
+    for prompt in PROMPTS[:3]:
+        ref = eng.generate(prompt, max_new_tokens=32, use_drafter=False)
+        out = eng.generate(prompt, max_new_tokens=32, draft=draft)
+        assert out.token_ids == ref.token_ids and out.stats.drafted > 0
+    n = int(eng.pair.masks[mode].sum())
+    assert 0 < n < int(full.pair.masks[mode].sum())
+    # the drafter computes logits for those rows only: its mask's LM head is pruned to them
+    allowed = eng.drafter_worker.masks[eng.pair.keys[mode]]
+    assert allowed.count == n and allowed.head is not None and allowed.head.shape[0] == n
+
+
+def test_a_smaller_draft_vocabulary_matches_target_only_distribution(peaked_pair, tmp_path_factory):
+    """Sampling stays lossless when the drafter drafts from a subset of the intersection (the
+    target's tokens outside it come from the residual)."""
+    eng = Engine(*peaked_pair, vocab_cache_dir=tmp_path_factory.mktemp("vocab"), draft_vocab=200)
+    assert int(eng.pair.masks["tli"].sum()) < int(eng.pair.allowed.sum())
+    _check_distribution(eng, SamplingParams(temperature=1.0))

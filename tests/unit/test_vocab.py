@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from crossdraft import vocab as V
+from crossdraft.errors import InvalidArgument
 from tests.tokenizers_fixtures import CORPUS, bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
 
 # ----------------------------------------------------------------------------------------------
@@ -564,3 +565,73 @@ def test_a_pairs_byte_encodings_are_remembered_and_the_same_as_uncached(cache_di
     pair.encode_drafter_bytes(long)
     pair.encode_drafter_bytes(long)
     assert calls == [long, long]
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter's draft vocabulary (its most frequent tokens)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bpe_with_shuffled_ids():
+    """A BPE tokenizer whose merged tokens' ids run against their merges' order (as Gemma-3's do):
+    the frequency order must follow the merges, not the ids."""
+    base = list("abcdxyz ")
+    merges = [("a", "b"), ("ab", "c"), ("x", "y"), ("xy", "z"), ("c", "d")]
+    made = ["ab", "abc", "xy", "xyz", "cd"]
+    vocab = {t: i for i, t in enumerate(base)}
+    for j, t in enumerate(reversed(made)):  # the first merge gets the highest id
+        vocab[t] = len(base) + j
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok), vocab, base, made
+
+
+def test_frequency_order_follows_the_merges_not_the_ids():
+    tok, vocab, base, made = _bpe_with_shuffled_ids()
+    order = V.frequency_order(tok, len(vocab) + 3)  # 3 rows past the tokenizer (a wider head)
+    assert sorted(order.tolist()) == list(range(len(vocab) + 3))  # a permutation
+    assert [int(order[vocab[t]]) for t in base] == list(range(len(base)))  # base symbols first, by id
+    assert [int(order[vocab[t]]) for t in made] == list(range(len(base), len(base) + len(made)))  # merge order
+    assert order[len(vocab):].tolist() == [len(vocab), len(vocab) + 1, len(vocab) + 2]  # rows past it last
+
+
+def test_frequency_order_of_a_unigram_model_follows_the_scores():
+    pieces = [("<unk>", 0.0), ("a", -5.0), ("b", -1.0), ("ab", -3.0), ("c", -2.0)]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.Unigram(pieces, unk_id=0)))
+    order = V.frequency_order(tok)
+    # by score: <unk> 0, b -1, c -2, ab -3, a -5
+    assert order.tolist() == [0, 4, 1, 3, 2]
+
+
+def test_frequency_order_without_a_model_is_the_id_order():
+    class Plain:
+        def __len__(self):
+            return 5
+
+    assert V.frequency_order(Plain()).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_draft_vocab_limits_what_the_drafter_drafts_from(cache_dir):
+    sp, bl = SP(), BL()
+    full = V.TokenPair(sp, bl, len(sp) + 4, len(bl) + 2, vocab_cache_dir=cache_dir)
+    n = 120
+    cut = V.TokenPair(sp, bl, len(sp) + 4, len(bl) + 2, vocab_cache_dir=cache_dir, draft_vocab=n)
+    order = V.frequency_order(bl, len(bl) + 2)
+    for mode in ("tli", "text"):
+        m, f = cut.masks[mode], full.masks[mode]
+        assert m.any() and not (m & ~f).any()  # a subset of what it was,
+        assert (order[m] < n).all()  # only the n most frequent,
+        assert int(m.sum()) == int((f & (order < n)).sum())  # all of those
+        assert int(m.sum()) < int(f.sum()) and cut.keys[mode] != full.keys[mode]  # (the drafter's mask key)
+    # the mapping itself is unchanged: the target's tokens outside the set still map (the residual)
+    assert (cut.allowed == full.allowed).all() and (cut.d2t == full.d2t).all() and cut.same_vocab == full.same_vocab
+    # a limit at or past the vocabulary changes nothing
+    wide = V.TokenPair(sp, bl, len(sp) + 4, len(bl) + 2, vocab_cache_dir=cache_dir, draft_vocab=len(bl) + 2)
+    assert all((wide.masks[k] == full.masks[k]).all() and wide.keys[k] == full.keys[k] for k in full.masks)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "64", True])
+def test_draft_vocab_must_be_a_count(bad, cache_dir):
+    with pytest.raises(InvalidArgument) as e:
+        V.TokenPair(SP(), BL(), vocab_cache_dir=cache_dir, draft_vocab=bad)
+    assert e.value.field == "draft_vocab"
