@@ -574,3 +574,32 @@ def test_a_few_drafters_that_lose_as_a_group_do_not_keep_each_other_drafting():
     e = p._tokens(p.alpha(), 1)
     margin = 1 + b * (p._agg(1, e, n, b, c) - p._agg(1, e, n - 1, b, c))
     assert margin > 1.05 > p.rate(1)  # (the margin would have drafted)
+
+
+def test_a_lone_doubted_token_accepted_is_not_a_hit_nor_a_reason_to_probe_faster():
+    """A confident probe that ends after one proposal (the drafter doubted it) and is accepted says
+    little: on text the drafter cannot follow, such lone guesses come true now and then (SmolLM2 for
+    a Qwen target on Chinese: 3 of 11). It neither halves the probe interval nor counts as a hit; a
+    probe of two or more tokens accepted in full does both."""
+    def probing(k_bound: int = 10):
+        # (a costly drafter: an estimate of 65% acceptance does not pay, 90% would)
+        pol = DraftPolicy(DraftConfig(num_draft_tokens=min(4, k_bound), max_draft_tokens=k_bound), 0.6, verify_costs=CPU_TABLE, measured=True)
+        pol.confident = True
+        pol.interval = pol.wait = 32
+        pol.probing = True
+        pol.succ, pol.trials = 0.3, 1.0  # as a probe starts
+        return pol
+
+    lone, two = probing(), probing()
+    assert lone.could_pay()
+    lone.observe(1, 1)
+    two.observe(2, 2)
+    assert lone.interval == 32 and two.interval == 16
+    h0 = lone.hit_s
+    lone.next_k()
+    two.next_k()
+    assert lone.hit_s < two.hit_s and lone.hit_s == pytest.approx(h0 * DraftPolicy.hit_decay)
+    # with blocks bounded at one token, one token is a whole block
+    one = probing(k_bound=1)
+    one.observe(1, 1)
+    assert one.interval == 16
