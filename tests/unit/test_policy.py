@@ -583,7 +583,8 @@ def test_a_lone_doubted_token_accepted_is_not_a_hit_nor_a_reason_to_probe_faster
     probe of two or more tokens accepted in full does both."""
     def probing(k_bound: int = 10):
         # (a costly drafter: an estimate of 65% acceptance does not pay, 90% would)
-        pol = DraftPolicy(DraftConfig(num_draft_tokens=min(4, k_bound), max_draft_tokens=k_bound), 0.6, verify_costs=CPU_TABLE, measured=True)
+        cfg = DraftConfig(num_draft_tokens=min(4, k_bound), max_draft_tokens=k_bound)
+        pol = DraftPolicy(cfg, 0.6, verify_costs=CPU_TABLE, measured=True)
         pol.confident = True
         pol.interval = pol.wait = 32
         pol.probing = True
