@@ -91,7 +91,7 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
                         "else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
-    p.add_argument("--draft-vocab", type=_int_arg("--draft-vocab", 0), default=None,
+    p.add_argument("--draft-vocab", type=_int_arg("--draft-vocab", 0), default=DEFAULT_DRAFT_VOCAB,
                    help="the drafter drafts from its this many most frequent tokens only (its LM head is pruned "
                         f"to them: cheaper steps; lossless either way); 0 = all (default: {DEFAULT_DRAFT_VOCAB})")
     p.add_argument("--stop-cumulative", type=_float_arg("--stop-cumulative"), default=None,
@@ -234,8 +234,7 @@ def cmd_generate(a) -> int:
                                revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
                                quantize=getattr(a, "drafter_quantize", "auto"),
                                cpu_linear=getattr(a, "cpu_linear", None))
-    dv = getattr(a, "draft_vocab", None)
-    engine = Engine(target, drafter, draft_vocab=DEFAULT_DRAFT_VOCAB if dv is None else dv)
+    engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB))
     prompt = a.prompt
     if a.chat:
         res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,

@@ -1006,8 +1006,11 @@ def frequency_order(tokenizer, size: int | None = None) -> np.ndarray:
     and special tokens, rows past the tokenizer) come last, in id order; a tokenizer without such a
     model gives the id order."""
     n = int(size or len(tokenizer))
-    last = np.int64(1 << 40)
-    place = np.full(n, last, dtype=np.int64)
+    ids = np.arange(n, dtype=np.int64)
+    # Sorted by (group, key, id): group 0 = base symbols / scored pieces, 1 = merged tokens, 2 = the
+    # rest; the key is the merge rank or the negated score (0 where the group is ordered by id).
+    group = np.full(n, 2, dtype=np.int64)
+    key = np.zeros(n, dtype=np.float64)
     backend = _backend(tokenizer)
     model = None
     if backend is not None:
@@ -1018,29 +1021,24 @@ def frequency_order(tokenizer, size: int | None = None) -> np.ndarray:
     kind = (model or {}).get("type")
     if kind == "BPE" and isinstance(model.get("vocab"), dict):
         vocab = model["vocab"]
-        merged = np.full(n, last, dtype=np.int64)
-        for rank, m in enumerate(model.get("merges") or []):
+        rank = np.full(n, -1, dtype=np.int64)
+        for r, m in enumerate(model.get("merges") or []):
             a, b = (m[0], m[1]) if isinstance(m, (list, tuple)) else m.split(" ", 1)
             t = vocab.get(a + b)
-            if t is not None and 0 <= t < n and merged[t] == last:
-                merged[t] = rank
-        ids = np.fromiter((t for t in vocab.values() if 0 <= t < n), dtype=np.int64)
-        base = ids[merged[ids] == last]
-        place[base] = np.sort(base) - (1 << 39)  # the base symbols first, in id order
-        made = ids[merged[ids] != last]
-        place[made] = merged[made]
+            if t is not None and 0 <= t < n and rank[t] < 0:
+                rank[t] = r
+        known = np.fromiter((t for t in vocab.values() if 0 <= t < n), dtype=np.int64)
+        group[known] = np.where(rank[known] < 0, 0, 1)
+        key[known] = np.maximum(rank[known], 0)
     elif kind == "Unigram" and isinstance(model.get("vocab"), list):
-        scores = np.full(n, -np.inf)
         for t, entry in enumerate(model["vocab"][:n]):
-            scores[t] = float(entry[1])
-        known = np.isfinite(scores)
-        place[known] = np.argsort(np.argsort(-scores[known], kind="stable"), kind="stable")
+            score = float(entry[1])
+            if np.isfinite(score):
+                group[t], key[t] = 0, -score
     else:
-        place[:] = np.arange(n)
-    rest = place == last
-    place[rest] = last + np.nonzero(rest)[0]
+        group[:] = 0
     out = np.empty(n, dtype=np.int64)
-    out[np.argsort(place, kind="stable")] = np.arange(n)
+    out[np.lexsort((ids, key, group))] = ids
     return out
 
 

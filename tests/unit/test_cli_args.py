@@ -19,6 +19,7 @@ def _parse(*extra):
     (["--seed", "-5"], "--seed must be >= 0, got -5"),
     (["--seed", "x"], "--seed must be an integer, got 'x'"),
     (["--stop-cumulative", "often"], "--stop-cumulative must be a number"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be >= 0, got -1"),
 ])
 def test_bad_numbers_are_refused_naming_the_option(capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -40,3 +41,11 @@ def test_the_cumulative_stop_defaults_to_the_cost_model_and_is_range_checked():
     assert draft.stop_cumulative == 0.4
     with pytest.raises(InvalidArgument, match="stop_cumulative"):
         cli._sampling_from_args(_parse("--stop-cumulative", "1.5"))
+
+
+def test_the_draft_vocabulary_defaults_to_the_policy_constant():
+    from crossdraft.policy import DEFAULT_DRAFT_VOCAB
+
+    assert _parse().draft_vocab == DEFAULT_DRAFT_VOCAB
+    assert _parse("--draft-vocab", "0").draft_vocab == 0
+    assert _parse("--draft-vocab", "32768").draft_vocab == 32768
