@@ -52,7 +52,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 test: models lint
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
 # the REST API fuzzed from its OpenAPI document with many more examples than `make test` uses
 fuzz: venv
