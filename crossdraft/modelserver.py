@@ -220,7 +220,7 @@ def main(kind: str, default_port: int, service_name: str, servicer, make_worker,
 
 def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_name: str, servicer) -> int:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
-    from . import costs, rpc, telemetry
+    from . import costs, memory, rpc, telemetry
     from .models import fast_dtype, load_model, parse_device
 
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
@@ -269,6 +269,12 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                       f"({worker.kv_pool_bytes / 2**20:.0f} MiB), batches of up to {worker.batch.max_rows} sessions",
                       flush=True)
             export_batch_metrics(kind, worker)
+            freed = memory.trim()  # the load's freed buffers back to the system (crossdraft.memory)
+            res = memory.resident()
+            if res:
+                print(f"crossdraft {kind}: resident {res['rss'] / 2**20:.0f} MiB (anonymous "
+                      f"{res.get('anon', 0) / 2**20:.0f} MiB, files {res.get('file', 0) / 2**20:.0f} MiB)"
+                      + (f"; {freed / 2**20:.0f} MiB of freed heap returned" if freed else ""), flush=True)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
             at = f"@{loaded.revision}" if loaded.revision else ""

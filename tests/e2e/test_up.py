@@ -50,6 +50,10 @@ def test_crossdraft_up_serves_then_stops_everything_on_ctrl_c(tiny_dirs, tmp_pat
         assert p.returncode == 0, "".join(out)
         time.sleep(0.5)
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        for kind in ("drafter", "verifier"):  # each model server says what it holds once loaded
+            log = (tmp_path / f"{kind}.log").read_text()
+            m = re.search(rf"crossdraft {kind}: resident (\d+) MiB \(anonymous (\d+) MiB", log)
+            assert m and 0 < int(m.group(2)) <= int(m.group(1)), log
     finally:
         if p.poll() is None:
             p.kill()
