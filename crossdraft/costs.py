@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from . import attention
+
 # tokens per forward that are timed; others are interpolated. The large sizes price what the small
 # ones cannot: a batch of many sessions' blocks, and a drafter's catch-up on rounds it skipped (in
 # text mode a Chinese character is 2-3 SmolLM2 tokens: a probe after 48 skipped rounds feeds ~150).
@@ -200,7 +202,7 @@ def _cache_key(loaded, max_tokens: int) -> str | None:
     else:
         hardware = device
     parts = [ident, str(loaded.dtype), device, torch.__version__, str(torch.get_num_threads()), hardware,
-             str(SIZES), str(CONTEXT), str(max_tokens)]
+             str(SIZES), str(CONTEXT), str(max_tokens), f"gqa={int(attention._original is not None)}"]
     q = getattr(loaded, "quantize", "none")
     if q and q != "none":  # int8 weight copies change the small forwards' times (crossdraft.quant)
         parts.append(f"quantize={q}")

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention
+
 __all__ = ["PoolFull", "KVPool", "Row", "available_memory", "batched_forward", "forward_hidden", "kv_bytes_per_token",
            "new_pool_for", "plan_indices"]
 
@@ -85,6 +87,7 @@ class KVPool:
             raise ValueError("max_tokens must be >= 1")
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        attention.install()  # GQA on a CPU without per-head copies of K/V (same numbers)
         cfg = _text_config(model)
         self.config = cfg
         self.num_layers = int(cfg.num_hidden_layers)

@@ -53,6 +53,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import attention
 from . import hub as _hub
 from .errors import InvalidArgument, ModelError, UnknownModel
 
@@ -1215,6 +1216,7 @@ def load_model(
             raise ModelError(f"could not load model {ref.spec!r} from {ref.path}: {type(e).__name__}: {e}") from e
     if ref.kind == "gguf":
         _detach_gguf_quantizer(model)
+    attention.install()  # GQA on a CPU without per-head copies of K/V (same numbers)
     model.eval()
     model.requires_grad_(False)
     qdev = model.get_input_embeddings().weight.device
