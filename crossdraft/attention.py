@@ -44,8 +44,8 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs):
     """transformers' attention-function signature; ``(output [B, T, H, D], None)``."""
+    global gqa_calls
     if _takes_gqa_path(module, query, key, value, attention_mask, dropout, kwargs):
-        global gqa_calls
         gqa_calls += 1
         # with a mask transformers passes is_causal=False to torch as well: the mask says it all
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
@@ -53,6 +53,11 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         return out.transpose(1, 2).contiguous(), None
     return _original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
+
+
+def installed() -> bool:
+    """Whether :func:`install` routed transformers' ``"sdpa"`` here (keys the cost tables' cache)."""
+    return _original is not None
 
 
 def install() -> bool:

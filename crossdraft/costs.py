@@ -202,7 +202,7 @@ def _cache_key(loaded, max_tokens: int) -> str | None:
     else:
         hardware = device
     parts = [ident, str(loaded.dtype), device, torch.__version__, str(torch.get_num_threads()), hardware,
-             str(SIZES), str(CONTEXT), str(max_tokens), f"gqa={int(attention._original is not None)}"]
+             str(SIZES), str(CONTEXT), str(max_tokens), f"gqa={int(attention.installed())}"]
     q = getattr(loaded, "quantize", "none")
     if q and q != "none":  # int8 weight copies change the small forwards' times (crossdraft.quant)
         parts.append(f"quantize={q}")
