@@ -400,7 +400,7 @@ def summarize(rows):
             # --paired: each prompt at the median of its neighbours' ratios, weighed by its target-only time
             med = [statistics.median(x["paired_ratios"]) for x in runs]
             tps = toks / sum(x["tokens"] / (m * base[x["prompt"]]["tokens"] / base[x["prompt"]]["seconds"])
-                             for x, m in zip(runs, med))
+                             for x, m in zip(runs, med, strict=True))
             row["paired_median_ratios"] = [round(m, 3) for m in med]
         if base_secs and tps:
             row["speedup_vs_target_only"] = round(tps / (base_toks / base_secs), 3)
@@ -414,8 +414,8 @@ def summarize(rows):
                 if x["token_ids"] == b["token_ids"]:
                     same += 1
                 else:
-                    n = next((i for i, (u, v) in enumerate(zip(x["token_ids"], b["token_ids"])) if u != v),
-                             min(len(x["token_ids"]), len(b["token_ids"])))
+                    xs, bs = x["token_ids"], b["token_ids"]
+                    n = next((i for i, (u, v) in enumerate(zip(xs, bs, strict=False)) if u != v), min(len(xs), len(bs)))
                     first_div.append(n)
             row["identical_to_target_only"] = f"{same}/{len(runs)}"
             row["lossless"] = same == len(runs)

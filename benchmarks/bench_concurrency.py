@@ -217,8 +217,9 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                         p["repeat_tokens_per_s"] = [round(x["tokens_per_s"], 3) for x in runs]
                         p["repeat_cpu_ms_per_token"] = [x.get("cpu_ms_per_token") for x in runs]
                     if mode == "spec" and "target" in reps:
+                        pairs = zip(runs, reps["target"], strict=True)
                         p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
-                                                   for x, y in zip(runs, reps["target"]) if y["tokens_per_s"]]
+                                                   for x, y in pairs if y["tokens_per_s"]]
                     if temperature == 0.0:
                         first = alone.setdefault((mode, temperature),
                                                  {i % len(ps): t for i, t in runs[0]["texts"].items()})
@@ -228,7 +229,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                     elif mode == "spec" and "target" in reps and not a.unseeded:
                         # a seeded request with coupled draws gets the target-only text whatever is
                         # drafted (bf16: batch rounding may still part them)
-                        same = [t == y["texts"].get(i) for x, y in zip(runs, reps["target"])
+                        same = [t == y["texts"].get(i) for x, y in zip(runs, reps["target"], strict=True)
                                 for i, t in x["texts"].items()]
                         p["seeded_same_as_target"] = f"{sum(same)}/{len(same)}"
                     del p["texts"]

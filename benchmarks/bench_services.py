@@ -203,7 +203,7 @@ def aggregate(runs: list[dict]) -> dict:
 def first_divergence(x: list[int], y: list[int]) -> int | None:
     if x == y:
         return None
-    return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
 
 
 # ---- where the gateway's overhead goes (in this process, same services) ---------------------------
@@ -504,7 +504,7 @@ def write_results(a, results, rest, prof, target, threads) -> None:
         L.append("")
     L += ["| prompt | order | in-process tok/s | distributed tok/s | in-process overhead ms/round | "
           "distributed overhead ms/round | identical |", "|---:|---|---:|---:|---:|---:|---|"]
-    for ra, rb in zip(A, B):
+    for ra, rb in zip(A, B, strict=True):
         L.append(f"| {ra['prompt']} | {ra['order']} | {ra['tokens_per_s']:.2f} | {rb['tokens_per_s']:.2f} | "
                  f"{ra['overhead_ms'] / ra['rounds']:.3f} | {rb['overhead_ms'] / rb['rounds']:.3f} | "
                  f"{'yes' if rb['identical_to_in_process'] else 'no (token %s)' % rb['first_divergence']} |")

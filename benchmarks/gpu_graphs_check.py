@@ -70,7 +70,7 @@ def main():
     seqs = [torch.randint(0, V, (int(n),), generator=g).tolist()
             for n in torch.randint(100, 700, (n_sess,), generator=g)]
     hs = [[p.alloc() for _ in seqs] for p in pools]
-    for p, h in zip(pools, hs):
+    for p, h in zip(pools, hs, strict=True):
         for i, s in enumerate(seqs):
             batched_forward(model, p, [Row(h[i], 0, s)])
     worst = 0.0
@@ -85,7 +85,7 @@ def main():
                 rows[j].append(Row(hs[j][i], start, seqs[i][start:], keep=len(seqs[i]) - start))
         eager = batched_forward(model, pools[0], rows[0])
         graph = batched_forward(model, pools[1], rows[1], graphs=fg)
-        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(eager, graph)))
+        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(eager, graph, strict=True)))
     st = fg.stats
     res["fp32"] = {"max_abs_diff": worst, "captures": st.captures, "replays": st.replays, "eager": st.eager,
                    "disabled": st.disabled}

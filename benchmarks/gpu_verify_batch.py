@@ -139,9 +139,9 @@ def main():
     # correctness on the device: batched rows vs each session verified alone
     batched = [o.clone() for o in step(hs[:check_b])]
     alone = [step([h])[0].clone() for h in hs[:check_b]]
-    diffs = [(a - b).abs().max().item() for a, b in zip(batched, alone)]
-    agree = [bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(batched, alone)]
-    n_pos_agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(batched, alone))
+    diffs = [(a - b).abs().max().item() for a, b in zip(batched, alone, strict=True)]
+    agree = [bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(batched, alone, strict=True)]
+    n_pos_agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(batched, alone, strict=True))
     logit_scale = max(o.abs().max().item() for o in alone)
     check = {"B": check_b, "max_abs_diff": max(diffs), "per_row_max_abs_diff": diffs,
              "argmax_agrees_everywhere": all(agree), "argmax_positions_agree": n_pos_agree,

@@ -117,7 +117,7 @@ def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int, q
             pr = torch.softmax(d.model(torch.tensor([ids + list(gen)])).logits[0].float(), dim=-1)
         top = pr.max(dim=-1)
         at = [len(ids) + j - 1 for j in range(len(gen))]
-        rows.append({"label": label, "match": [int(top.indices[a]) == g for a, g in zip(at, gen)],
+        rows.append({"label": label, "match": [int(top.indices[a]) == g for a, g in zip(at, gen, strict=True)],
                      "conf": [round(float(top.values[a]), 5) for a in at]})
         print(f"{label:10} {sum(rows[-1]['match'])}/{len(gen)} drafter argmax == target token", flush=True)
     data = {"target": target, "drafter": drafter, "dtype": str(t.dtype), "git": bench.git_commit(),

@@ -330,7 +330,7 @@ class User(threading.Thread):
         return self.stop_ev.is_set() or time.time() >= self.stop_at
 
     def run(self) -> None:
-        fns, weights = zip(*self.scenarios)
+        fns, weights = zip(*self.scenarios, strict=True)
         while not self.done():
             fn = self.rng.choices(fns, weights)[0]
             t = time.time()
@@ -838,7 +838,7 @@ def check_transcript(rec: Recorder, sid: str, kind: str, s: dict, expected, turn
         got = [{"role": m["role"], "content": m["content"]} for m in s.get("messages", [])]
         ok = got == expected and s.get("turns") == turns
         detail = "" if ok else (f"turns {s.get('turns')} (wanted {turns}); first difference at message "
-                                f"{next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))}"  # noqa: E501
+                                f"{next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))}"  # noqa: E501
                                 f": got {json.dumps(got)[:800]} wanted {json.dumps(expected)[:800]}")
     else:
         got = s.get("text", "")
@@ -996,7 +996,7 @@ def plot(result: dict, path: Path) -> bool:
         vals = [w["outcomes"][o] for w in ws]
         ax[1].bar([w["t_start_s"] for w in ws], vals, width=width, bottom=bottom, color=colors[o], label=o,
                   align="edge")
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax[1].plot(t, [w["drafter_fallbacks"] for w in ws], "k.", markersize=3, label="ok with drafter fallback")
     ax[1].set_ylabel(f"requests per {result['config']['window_s']:g} s")
     for name in ws[0]["rss_mb"]:

@@ -427,7 +427,7 @@ class BatchScheduler:
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
-            for j, out, w in zip(batch, outs, waits):
+            for j, out, w in zip(batch, outs, waits, strict=True):
                 j.result = out
                 j.wait_s = w
                 j.batch_rows = len(batch)
@@ -521,12 +521,13 @@ def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
     cuts = [(L, True) for L in lens if first <= L < lens[-1]] + [(L, False) for L in lens if lens[0] < L <= first]
     for L, short in sorted(cuts, key=lambda c: (c[0], not c[1])):  # (by length; at a tie the first wins)
         inside = [(n <= L) if short else (n >= L) for n in sizes]
-        c = total([n for n, x in zip(sizes, inside) if x], [n for n, x in zip(sizes, inside) if not x])
+        pairs = list(zip(sizes, inside, strict=True))
+        c = total([n for n, x in pairs if x], [n for n, x in pairs if not x])
         if c < 0.9 * best:
             best, keep = c, inside
     if keep is None:
         return batch, []
-    return [j for j, x in zip(batch, keep) if x], [j for j, x in zip(batch, keep) if not x]
+    return [j for j, x in zip(batch, keep, strict=True) if x], [j for j, x in zip(batch, keep, strict=True) if not x]
 
 
 def _chunks(tokens: list[int], chunk: int, keep: int):

@@ -237,7 +237,7 @@ def forward_ms(loaded, max_tokens: int) -> list[float]:
                 return cached
             # the cached table was measured on a busy machine: measure again, keep the faster of each
             fresh = measure(loaded.model, loaded.device, max_tokens)
-            table = [round(min(a, b), 3) for a, b in zip(cached, fresh)]
+            table = [round(min(a, b), 3) for a, b in zip(cached, fresh, strict=True)]
             for i in range(1, len(table)):
                 table[i] = max(table[i], table[i - 1])
             _write(path, loaded, table)

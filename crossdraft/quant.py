@@ -173,7 +173,7 @@ def _best_pass(fns, xs, repeats: int = 3) -> float:
     best = float("inf")
     for r in range(repeats + 1):
         t = time.perf_counter()
-        for f, x in zip(fns, xs):
+        for f, x in zip(fns, xs, strict=True):
             f(x)
         if r:  # the first pass warms up
             best = min(best, time.perf_counter() - t)

@@ -494,7 +494,7 @@ def _build_table(tokenizer) -> _Table:
             log.warning("vocab: anchor %r decodes to %r; cross-check skipped", out[anchor], anchor_text)
         else:
             examples = []
-            for i, text in zip(to_check, decoded):
+            for i, text in zip(to_check, decoded, strict=True):
                 if emulate is None:
                     if text and "\ufffd" not in text:
                         out[i] = text.encode("utf-8")

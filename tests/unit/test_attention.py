@@ -103,23 +103,23 @@ def test_a_batched_verification_reads_the_shared_heads_in_place():
     hs = [pool.alloc() for _ in range(3)]
     lens = [20, 45, 9]
     batched_forward(model, pool, [Row(h, 0, torch.randint(0, 200, (n,), generator=g).tolist())
-                                  for h, n in zip(hs, lens)])
+                                  for h, n in zip(hs, lens, strict=True)])
     layers = model.config.num_hidden_layers
     before = attention.gqa_calls
     # one batched forward of 3 drafted blocks: every layer's attention on the in-place GQA path
-    rows = [Row(h, n, torch.randint(0, 200, (5,), generator=g).tolist(), keep=5) for h, n in zip(hs, lens)]
+    rows = [Row(h, n, torch.randint(0, 200, (5,), generator=g).tolist(), keep=5) for h, n in zip(hs, lens, strict=True)]
     batched = batched_forward(model, pool, rows)
     assert attention.gqa_calls == before + layers
     # one-token steps: transformers packs the group's queries itself (no copies); not this path
-    for h, n in zip(hs, lens):
+    for h, n in zip(hs, lens, strict=True):
         pool.truncate(h, n)
     before = attention.gqa_calls
-    batched_forward(model, pool, [Row(h, n, [3]) for h, n in zip(hs, lens)])
+    batched_forward(model, pool, [Row(h, n, [3]) for h, n in zip(hs, lens, strict=True)])
     assert attention.gqa_calls == before
     # and each block verified alone gives the batched logits
-    for h, n in zip(hs, lens):
+    for h, n in zip(hs, lens, strict=True):
         pool.truncate(h, n)
-    for r, out in zip(rows, batched):
+    for r, out in zip(rows, batched, strict=True):
         alone = batched_forward(model, pool, [Row(r.handle, r.start, r.tokens, keep=5)])[0]
         torch.testing.assert_close(out, alone, atol=1e-5, rtol=0)
         pool.truncate(r.handle, r.start)

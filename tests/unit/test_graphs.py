@@ -47,7 +47,7 @@ def test_padded_buckets_give_the_eager_logits_across_rounds_and_rollbacks(model)
         hs[id(pool)] = [pool.alloc() for _ in seqs]
     # prefill: long rows (over 16 tokens) fit no bucket and run eagerly
     for pool, gr in ((eager_pool, None), (graph_pool, fg)):
-        batched_forward(model, pool, [Row(h, 0, s) for h, s in zip(hs[id(pool)], seqs)], graphs=gr)
+        batched_forward(model, pool, [Row(h, 0, s) for h, s in zip(hs[id(pool)], seqs, strict=True)], graphs=gr)
     assert fg.stats.eager == 1 and fg.stats.replays == 0
     for rnd in range(4):
         active = [i for i in range(len(seqs)) if (i + rnd) % 3 != 0]  # a changing subset of sessions
@@ -64,7 +64,7 @@ def test_padded_buckets_give_the_eager_logits_across_rounds_and_rollbacks(model)
         out_e = batched_forward(model, eager_pool, rows_e)
         out_g = batched_forward(model, graph_pool, rows_g, graphs=fg)
         assert fg.stats.replays == before + 1, "a batch of <= 9 tokens per row fits a bucket"
-        for i, st, oe, og in zip(active, starts, out_e, out_g):
+        for i, st, oe, og in zip(active, starts, out_e, out_g, strict=True):
             torch.testing.assert_close(og, oe, atol=1e-5, rtol=0)
             torch.testing.assert_close(og, _ref(model, seqs[i], range(st, len(seqs[i]))), atol=1e-4, rtol=0)
             assert graph_pool.length(hs[id(graph_pool)][i]) == len(seqs[i])

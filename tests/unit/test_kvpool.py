@@ -80,7 +80,7 @@ def _close(got: torch.Tensor, want: torch.Tensor):
 
 def _check_rows(model, rows, outs, seqs):
     """Each row's logits equal the reference of its session's sequence `seqs[handle]` alone."""
-    for r, o in zip(rows, outs):
+    for r, o in zip(rows, outs, strict=True):
         end = r.start + len(r.tokens)
         _close(o, _ref(model, seqs[r.handle][:end], range(end - r.keep, end)))
 
@@ -95,21 +95,21 @@ def test_prefill_one_forward_then_ragged_verify(model):
     g = torch.Generator().manual_seed(1)
     pool = KVPool(model, max_tokens=256, block_size=4)
     hs = [pool.alloc() for _ in range(4)]
-    hist = {h: _toks(g, n) for h, n in zip(hs, (5, 23, 40, 1))}
+    hist = {h: _toks(g, n) for h, n in zip(hs, (5, 23, 40, 1), strict=True)}
     rows = [Row(h, 0, hist[h], keep=len(hist[h])) for h in hs]
     outs = batched_forward(model, pool, rows)
     _check_rows(model, rows, outs, hist)
     assert [pool.length(h) for h in hs] == [5, 23, 40, 1]
 
     # verification: blocks of 1..5 tokens, all in ONE forward
-    seqs = {h: hist[h] + _toks(g, k) for h, k in zip(hs, (3, 1, 5, 4))}
+    seqs = {h: hist[h] + _toks(g, k) for h, k in zip(hs, (3, 1, 5, 4), strict=True)}
     rows = [Row(h, len(hist[h]), seqs[h][len(hist[h]):], keep=len(seqs[h]) - len(hist[h])) for h in hs]
     outs = batched_forward(model, pool, rows)
     _check_rows(model, rows, outs, seqs)
     assert [pool.length(h) for h in hs] == [len(seqs[h]) for h in hs]
     # keep < len: only the last `keep` positions come back
     more = {h: seqs[h] + _toks(g, 3) for h in hs}
-    rows = [Row(h, len(seqs[h]), more[h][len(seqs[h]):], keep=k) for h, k in zip(hs, (1, 2, 3, 1))]
+    rows = [Row(h, len(seqs[h]), more[h][len(seqs[h]):], keep=k) for h, k in zip(hs, (1, 2, 3, 1), strict=True)]
     outs = batched_forward(model, pool, rows)
     assert [o.shape[0] for o in outs] == [1, 2, 3, 1]
     _check_rows(model, rows, outs, more)
@@ -119,7 +119,7 @@ def test_chunked_prefill_across_forwards(model):
     g = torch.Generator().manual_seed(2)
     pool = new_pool_for(model, max_tokens=200, block_size=4)
     hs = [pool.alloc() for _ in range(3)]
-    seqs = {h: _toks(g, n) for h, n in zip(hs, (5, 23, 40))}
+    seqs = {h: _toks(g, n) for h, n in zip(hs, (5, 23, 40), strict=True)}
     chunk = 7
     while any(pool.length(h) < len(seqs[h]) for h in hs):
         rows = []
@@ -131,7 +131,7 @@ def test_chunked_prefill_across_forwards(model):
         outs = batched_forward(model, pool, rows)
         _check_rows(model, rows, outs, seqs)
     # then one ragged verification over the chunk-built histories
-    full = {h: seqs[h] + _toks(g, k) for h, k in zip(hs, (2, 5, 1))}
+    full = {h: seqs[h] + _toks(g, k) for h, k in zip(hs, (2, 5, 1), strict=True)}
     rows = [Row(h, len(seqs[h]), full[h][len(seqs[h]):], keep=len(full[h]) - len(seqs[h])) for h in hs]
     _check_rows(model, rows, batched_forward(model, pool, rows), full)
 
@@ -140,7 +140,7 @@ def test_rollback_then_different_tokens(model):
     g = torch.Generator().manual_seed(3)
     pool = KVPool(model, max_tokens=256, block_size=4)
     hs = [pool.alloc() for _ in range(3)]
-    hist = {h: _toks(g, n) for h, n in zip(hs, (6, 21, 33))}
+    hist = {h: _toks(g, n) for h, n in zip(hs, (6, 21, 33), strict=True)}
     batched_forward(model, pool, [Row(h, 0, hist[h]) for h in hs])
     drafts = {h: _toks(g, 9) for h in hs}
     rows = [Row(h, len(hist[h]), drafts[h], keep=9) for h in hs]
@@ -174,13 +174,13 @@ def test_pruned_head(model):
     g = torch.Generator().manual_seed(4)
     pool = KVPool(model, max_tokens=128, block_size=8)
     hs = [pool.alloc() for _ in range(3)]
-    seqs = {h: _toks(g, n) for h, n in zip(hs, (4, 17, 30))}
+    seqs = {h: _toks(g, n) for h, n in zip(hs, (4, 17, 30), strict=True)}
     batched_forward(model, pool, [Row(h, 0, seqs[h][:-3]) for h in hs])
     rows = [Row(h, len(seqs[h]) - 3, seqs[h][-3:], keep=3) for h in hs]
     cols = torch.tensor([0, 7, 42, 299, 150])
     w = model.lm_head.weight.detach()[cols]
     outs = batched_forward(model, pool, rows, head=w)
-    for r, o in zip(rows, outs):
+    for r, o in zip(rows, outs, strict=True):
         assert o.shape == (3, len(cols))
         _close(o, _ref(model, seqs[r.handle], range(len(seqs[r.handle]) - 3, len(seqs[r.handle])))[:, cols])
     # per-row heads, one row on the full head
@@ -189,7 +189,7 @@ def test_pruned_head(model):
     cols2 = torch.tensor([5, 6])
     heads = [w, None, model.lm_head.weight.detach()[cols2]]
     outs = batched_forward(model, pool, rows, head=heads)
-    for r, o, c in zip(rows, outs, (cols, None, cols2)):
+    for r, o, c in zip(rows, outs, (cols, None, cols2), strict=True):
         want = _ref(model, seqs[r.handle], range(len(seqs[r.handle]) - 3, len(seqs[r.handle])))
         _close(o, want if c is None else want[:, c])
     with pytest.raises(ValueError):

@@ -120,7 +120,7 @@ def test_drafter_feeds_one_token_per_draft_step(eng, k):
             assert sess.cache_len == len(sess.ids) + k - 1
             assert sess.fed == sess.ids + props[:-1]
             exp_cache, _ = _expected_cache(model, sess.ids + props[:-1])
-            for (a, b), (c, d) in zip(_kv(sess.cache), _kv(exp_cache)):
+            for (a, b), (c, d) in zip(_kv(sess.cache), _kv(exp_cache), strict=True):
                 assert a.shape == c.shape and torch.allclose(a, c, atol=1e-5) and torch.allclose(b, d, atol=1e-5)
             # commit: accept a prefix of the block (all, some, none over the rounds) + a "target" token
             n = [k, k // 2, 0, k - 1][rnd]
@@ -187,7 +187,7 @@ def test_drafter_cache_after_generation_equals_fresh_cache(eng):
     c = min(len(sess.fed), len(sess.ids))
     assert sess.fed[:c] == sess.ids[:c] and sess.cache_len == len(sess.fed)
     exp_cache, _ = _expected_cache(model, sess.fed)
-    for (a, b), (c, d) in zip(_kv(sess.cache), _kv(exp_cache)):
+    for (a, b), (c, d) in zip(_kv(sess.cache), _kv(exp_cache), strict=True):
         assert torch.allclose(a, c, atol=1e-5) and torch.allclose(b, d, atol=1e-5)
     # next-token logits from the session's cache vs from scratch over the same ids
     sess.truncate_cache(len(sess.ids) - 1)
@@ -231,7 +231,7 @@ def test_rounds_feed_drafter_and_target_exactly_once(eng, greedy):
     # drafter: one forward per proposal; within a block, steps after the first feed one token each
     assert len(dlog.calls) == sum(s.draft_lengths) >= s.drafted > 0
     ends = blocks[1:] + [len(dlog.calls)]
-    for b, e in zip(blocks, ends):
+    for b, e in zip(blocks, ends, strict=True):
         for i in range(b + 1, e):
             ids_i, pos_i = dlog.calls[i]
             prev_ids, prev_pos = dlog.calls[i - 1]
@@ -242,7 +242,7 @@ def test_rounds_feed_drafter_and_target_exactly_once(eng, greedy):
     # ids + its proposals but the last; the new ids share a prefix with that (the accepted
     # proposals, or less after a re-tokenisation), and only the rest is fed
     small = 0
-    for j, (b, _) in enumerate(zip(blocks, ends)):
+    for j, (b, _) in enumerate(zip(blocks, ends, strict=True)):
         ids_now = block_ids[j]
         if j == 0:
             assert dlog.calls[b] == (ids_now, list(range(len(ids_now))))  # the prompt's prefill
@@ -255,7 +255,7 @@ def test_rounds_feed_drafter_and_target_exactly_once(eng, greedy):
     assert small >= (len(blocks) - 1) // 2  # mostly one or two tokens: the target's, plus the last proposal
     # target: one forward per round, fed exactly ids[cache_len:] + drafts at positions cache_len..
     assert len(tlog.calls) == s.rounds == len(verifies)
-    for (cache_len, ids, drafts), (fed, pos) in zip(verifies, tlog.calls):
+    for (cache_len, ids, drafts), (fed, pos) in zip(verifies, tlog.calls, strict=True):
         assert fed == ids[cache_len:] + drafts
         assert pos == list(range(cache_len, cache_len + len(fed)))
     for cache_len, ids, _ in verifies[1:]:
