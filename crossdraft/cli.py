@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from .argtypes import INT63, int_arg
 from .errors import CrossdraftError, InvalidArgument
 from .policy import DEFAULT_DRAFT_VOCAB
 
@@ -14,19 +15,9 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
-def _int_arg(name, minimum: int = 1):
-    """An argparse type for option `name` that parses an integer >= `minimum`."""
-    def parse(s):
-        """`s` as an int, or an ArgumentTypeError naming the option."""
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
-        return v
-
-    return parse
+def _int_arg(name, minimum: int = 1, maximum: int | None = None):
+    """An argparse type for option `name` that parses an integer in [minimum, maximum]."""
+    return int_arg(name, minimum, maximum)
 
 
 def _float_arg(name):
@@ -75,7 +66,7 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=_int_arg("--top-k", 0), default=0, help="0 = off")
     p.add_argument("--top-p", type=_float_arg("--top-p"), default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--repetition-penalty", type=_float_arg("--repetition-penalty"), default=1.0, help="1 = off")
-    p.add_argument("--seed", type=_int_arg("--seed", 0), default=0)
+    p.add_argument("--seed", type=_int_arg("--seed", 0, INT63), default=0)
     p.add_argument("--draws", choices=["coupled", "rejection"], default="coupled",
                    help="sampling: coupled (default) = each token a function of (seed, position), the same text "
                         "with or without a drafter; rejection = the classic accept/resample rule (accepts slightly "
@@ -162,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--session-id", default=None, help="continue this session")
     r.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens"), default=64)
     r.add_argument("--temperature", type=_float_arg("--temperature"), default=0.0)
-    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--seed", type=_int_arg("--seed", 0, INT63), default=None)
     r.add_argument("--stop", action="append", default=None, metavar="TEXT")
     r.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage, stats")
     r.add_argument("--tls-ca-file", default=os.environ.get("CROSSDRAFT_TLS_CA_FILE", ""),

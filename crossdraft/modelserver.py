@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .argtypes import float_arg, int_arg, port_arg
 from .errors import InvalidArgument, Unavailable
 from .tls import TLSConfig
 
@@ -89,15 +90,22 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "the same numbers); auto = packed where it measures faster at load (env "
                         "CROSSDRAFT_CPU_LINEAR)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
-    p.add_argument("--port", type=int, default=int(_env("PORT", default_port)), help="gRPC port (env CROSSDRAFT_PORT)")
-    p.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", 64)), help="KV caches kept (LRU)")
-    p.add_argument("--session-ttl-s", type=float, default=float(_env("SESSION_TTL_S", 600)), help="session idle expiry")
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)), help="Prometheus port (0 = off)")
-    p.add_argument("--max-workers", type=int, default=int(_env("MAX_WORKERS", 64)), help="gRPC handler threads")
+    p.add_argument("--port", type=port_arg("--port", env="CROSSDRAFT_PORT", zero="a free port"),
+                   default=str(_env("PORT", default_port)), help="gRPC port (env CROSSDRAFT_PORT)")
+    p.add_argument("--max-sessions", type=int_arg("--max-sessions", 1, env="CROSSDRAFT_MAX_SESSIONS"),
+                   default=str(_env("MAX_SESSIONS", 64)), help="KV caches kept (LRU)")
+    p.add_argument("--session-ttl-s", type=float_arg("--session-ttl-s", 0, above=True, env="CROSSDRAFT_SESSION_TTL_S"),
+                   default=str(_env("SESSION_TTL_S", 600)), help="session idle expiry")
+    p.add_argument("--metrics-port", type=port_arg("--metrics-port", env="CROSSDRAFT_METRICS_PORT", zero="off"),
+                   default=str(_env("METRICS_PORT", 0)), help="Prometheus port (0 = off)")
+    p.add_argument("--max-workers", type=int_arg("--max-workers", 1, env="CROSSDRAFT_MAX_WORKERS"),
+                   default=str(_env("MAX_WORKERS", 64)), help="gRPC handler threads")
     p.add_argument("--batching", choices=("on", "off"), default=_env("BATCHING", "on"),
                    help="batch the sessions' forwards in one forward (env CROSSDRAFT_BATCHING)")
-    p.add_argument("--max-batch-rows", type=int, default=int(_env("MAX_BATCH_ROWS", 32)), help="sessions per forward")
-    p.add_argument("--max-batch-tokens", type=int, default=int(_env("MAX_BATCH_TOKENS", 4096)),
+    p.add_argument("--max-batch-rows", type=int_arg("--max-batch-rows", 1, env="CROSSDRAFT_MAX_BATCH_ROWS"),
+                   default=str(_env("MAX_BATCH_ROWS", 32)), help="sessions per forward")
+    p.add_argument("--max-batch-tokens", type=int_arg("--max-batch-tokens", 1, env="CROSSDRAFT_MAX_BATCH_TOKENS"),
+                   default=str(_env("MAX_BATCH_TOKENS", 4096)),
                    help="tokens per forward")
     p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
                    help="longest wait of a forward for more rows in flight or due; auto = 15%% of the mean "
@@ -106,12 +114,16 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
                         "bucket; auto = on for a CUDA device; 'on' on a CPU runs the padded path without graphs "
                         "(a check, slower) (env CROSSDRAFT_CUDA_GRAPHS)")
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", 512)),
+    p.add_argument("--prefill-chunk", type=int_arg("--prefill-chunk", 1, env="CROSSDRAFT_PREFILL_CHUNK"),
+                   default=str(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
-    p.add_argument("--kv-cache-tokens", type=int, default=int(_env("KV_CACHE_TOKENS", 0)),
+    p.add_argument("--kv-cache-tokens", type=int_arg("--kv-cache-tokens", 0, env="CROSSDRAFT_KV_CACHE_TOKENS"),
+                   default=str(_env("KV_CACHE_TOKENS", 0)),
                    help="KV pool size in tokens (0 = automatic: max_sessions x min(context, 4096), capped by "
                         "--kv-cache-memory-fraction) (env CROSSDRAFT_KV_CACHE_TOKENS)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=float(_env("KV_CACHE_MEMORY_FRACTION", 0.0)),
+    p.add_argument("--kv-cache-memory-fraction",
+                   type=float_arg("--kv-cache-memory-fraction", 0, 1, env="CROSSDRAFT_KV_CACHE_MEMORY_FRACTION"),
+                   default=str(_env("KV_CACHE_MEMORY_FRACTION", 0.0)),
                    help="the automatic KV pool's share of the memory free at startup (0 = 0.2 on CPU, 0.8 on "
                         "CUDA) (env CROSSDRAFT_KV_CACHE_MEMORY_FRACTION)")
     p.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE", ""),
@@ -122,7 +134,8 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--tls-client-ca-file", default=_env("TLS_CLIENT_CA_FILE", ""),
                    help="callers must present a certificate signed by this CA: mutual TLS "
                         "(env CROSSDRAFT_TLS_CLIENT_CA_FILE)")
-    p.add_argument("--health-port", type=int, default=int(_env("HEALTH_PORT", 0)),
+    p.add_argument("--health-port", type=port_arg("--health-port", env="CROSSDRAFT_HEALTH_PORT", zero="off"),
+                   default=str(_env("HEALTH_PORT", 0)),
                    help="a plaintext port that serves only gRPC health (for probes that cannot present a "
                         "certificate, e.g. the kubelet's); 0 = off (env CROSSDRAFT_HEALTH_PORT)")
 

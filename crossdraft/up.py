@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
+from .argtypes import int_arg
 from .redis_server import RedisServer, free_port
 
 __all__ = [
@@ -199,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="directory for the services' logs (default: a new temp dir)")
     parser.add_argument("--demo-prompt", default=None,
                         help="once ready, send this prompt to POST /v1/completions and print the answer with its stats")
-    parser.add_argument("--demo-max-tokens", type=int, default=64, help="max_tokens of the demo request")
+    parser.add_argument("--demo-max-tokens",
+                        type=int_arg("--demo-max-tokens", 1), default=64, help="max_tokens of the demo request")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo request")
 
 

@@ -509,6 +509,8 @@ class DrafterWorker(_Worker):
         if heal and not params.greedy:
             raise InvalidArgument("heal", "token healing is for greedy drafting only (temperature 0)")
         _check_draws(round_index, seed)
+        # proposal i of the block draws at position + i, hashed as a signed 64-bit integer
+        check_int("position", position, -1, 2**62)
         if not 0.0 <= stop_below < 1.0:
             raise InvalidArgument("stop_below", f"must be in [0, 1), got {stop_below}")
         if not 0.0 <= stop_cumulative < 1.0:

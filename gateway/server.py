@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from crossdraft.argtypes import float_arg, int_arg, port_arg
 from crossdraft.errors import CrossdraftError, InvalidArgument
 from crossdraft.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.tls import TLSConfig
@@ -39,12 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kubernetes: namespace (env POD_NAMESPACE)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="Redis URL for sessions (env REDIS_URL)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
-    p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", 8000)))
-    p.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", 50051)))
+    p.add_argument("--http-port", type=port_arg("--http-port", env="CROSSDRAFT_HTTP_PORT", zero="a free port"),
+                   default=str(_env("HTTP_PORT", 8000)))
+    p.add_argument("--grpc-port", type=port_arg("--grpc-port", env="CROSSDRAFT_GRPC_PORT", zero="a free port"),
+                   default=str(_env("GRPC_PORT", 50051)))
     p.add_argument("--target-tokenizer", default=_env("TARGET_TOKENIZER", None), help="default: the verifier's model")
     p.add_argument("--drafter-tokenizer", default=_env("DRAFTER_TOKENIZER", None), help="default: the drafter's model")
-    p.add_argument("--session-ttl-s", type=float, default=float(_env("SESSION_TTL_S", 3600)))
-    p.add_argument("--drafter-timeout-s", type=float, default=float(_env("DRAFTER_TIMEOUT_S", 10)))
+    p.add_argument("--session-ttl-s", type=float_arg("--session-ttl-s", 0, above=True, env="CROSSDRAFT_SESSION_TTL_S"),
+                   default=str(_env("SESSION_TTL_S", 3600)))
+    p.add_argument("--drafter-timeout-s",
+                   type=float_arg("--drafter-timeout-s", 0, above=True, env="CROSSDRAFT_DRAFTER_TIMEOUT_S"),
+                   default=str(_env("DRAFTER_TIMEOUT_S", 10)))
     p.add_argument("--round-log", default=_env("ROUND_LOG", "") or None,
                    help="append one JSON line per round to this file: blocks drafted and accepted, times, and the "
                         "cost model's view (load, acceptance, scales) -- for tracing its decisions")
@@ -52,28 +58,47 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whether the drafters compute on their verifiers' hardware (their steps then stall the "
                         "verification of every session; the draft-length policy prices drafting under load by it): "
                         "auto = both addresses on the loopback or the same host")
-    p.add_argument("--draft-vocab", type=int, default=int(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
+    p.add_argument("--draft-vocab", type=int_arg("--draft-vocab", 0, env="CROSSDRAFT_DRAFT_VOCAB"),
+                   default=str(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
                    help="the drafter drafts from its this many most frequent tokens only (by its tokenizer's merge "
                         "order; its LM head is pruned to them, so its steps read fewer weights; the output is "
                         "unchanged: the target verifies every token); 0 = every token (env CROSSDRAFT_DRAFT_VOCAB)")
-    p.add_argument("--connect-timeout-s", type=float, default=float(_env("CONNECT_TIMEOUT_S", 900)))
-    p.add_argument("--max-new-tokens-limit", type=int, default=int(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
-    p.add_argument("--default-max-new-tokens", type=int, default=int(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
+    p.add_argument("--connect-timeout-s",
+                   type=float_arg("--connect-timeout-s", 0, above=True, env="CROSSDRAFT_CONNECT_TIMEOUT_S"),
+                   default=str(_env("CONNECT_TIMEOUT_S", 900)))
+    p.add_argument("--max-new-tokens-limit",
+                   type=int_arg("--max-new-tokens-limit", 1, env="CROSSDRAFT_MAX_NEW_TOKENS_LIMIT"),
+                   default=str(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
+    p.add_argument("--default-max-new-tokens",
+                   type=int_arg("--default-max-new-tokens", 1, env="CROSSDRAFT_DEFAULT_MAX_NEW_TOKENS"),
+                   default=str(_env("DEFAULT_MAX_NEW_TOKENS", 64)),
                    help="max_new_tokens when a request gives none")
-    p.add_argument("--default-temperature", type=float, default=float(_env("DEFAULT_TEMPERATURE", 0.0)),
+    p.add_argument("--default-temperature",
+                   type=float_arg("--default-temperature", 0, env="CROSSDRAFT_DEFAULT_TEMPERATURE"),
+                   default=str(_env("DEFAULT_TEMPERATURE", 0.0)),
                    help="temperature when a request gives none (0 = greedy)")
-    p.add_argument("--drain-timeout-s", type=float, default=float(_env("DRAIN_TIMEOUT_S", 30)),
+    p.add_argument("--drain-timeout-s",
+                   type=float_arg("--drain-timeout-s", 0, env="CROSSDRAFT_DRAIN_TIMEOUT_S"),
+                   default=str(_env("DRAIN_TIMEOUT_S", 30)),
                    help="on SIGTERM: /readyz turns 503 and new requests get 503 at once; in-flight ones get "
                         "this long to finish before the gateway exits")
-    p.add_argument("--stale-pairing-restart-s", type=float, default=float(_env("STALE_PAIRING_RESTART_S", 60)),
+    p.add_argument("--stale-pairing-restart-s",
+                   type=float_arg("--stale-pairing-restart-s", 0, env="CROSSDRAFT_STALE_PAIRING_RESTART_S"),
+                   default=str(_env("STALE_PAIRING_RESTART_S", 60)),
                    help="every verifier serving the paired model at another revision this long (a rollout "
                         "finished after this gateway paired the old one): /healthz turns 503 so that the "
                         "orchestrator restarts the gateway, which pairs the new revision; 0 = never")
-    p.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 256)),
+    p.add_argument("--max-concurrent-requests",
+                   type=int_arg("--max-concurrent-requests", 1, env="CROSSDRAFT_MAX_CONCURRENT_REQUESTS"),
+                   default=str(_env("MAX_CONCURRENT_REQUESTS", 256)),
                    help="generations running at once (more wait in the queue)")
-    p.add_argument("--max-queued-requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", 256)),
+    p.add_argument("--max-queued-requests",
+                   type=int_arg("--max-queued-requests", 0, env="CROSSDRAFT_MAX_QUEUED_REQUESTS"),
+                   default=str(_env("MAX_QUEUED_REQUESTS", 256)),
                    help="generations waiting for a slot; past this, HTTP 429 / RESOURCE_EXHAUSTED at once")
-    p.add_argument("--queue-timeout-s", type=float, default=float(_env("QUEUE_TIMEOUT_S", 30)),
+    p.add_argument("--queue-timeout-s",
+                   type=float_arg("--queue-timeout-s", 0, env="CROSSDRAFT_QUEUE_TIMEOUT_S"),
+                   default=str(_env("QUEUE_TIMEOUT_S", 30)),
                    help="a queued generation without a slot after this long gets 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE", ""),
                    help="serve REST (HTTPS) and gRPC over TLS with this certificate (PEM; re-read when it "

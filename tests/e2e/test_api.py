@@ -230,23 +230,6 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
     assert ok.status_code == 200
 
 
-def test_admission_flags_are_checked(tmp_path):
-    from crossdraft.errors import InvalidArgument
-    from gateway.server import build_parser, config_from_args
-
-    for bad, field in ((["--max-concurrent-requests", "0"], "max_concurrent_requests"),
-                       (["--max-queued-requests", "-1"], "max_queued_requests"),
-                       (["--queue-timeout-s", "-2"], "queue_timeout_s"),
-                       (["--stale-pairing-restart-s", "-1"], "stale_pairing_restart_s"),
-                       (["--draft-vocab", "-1"], "draft_vocab")):
-        a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x"] + bad)
-        with pytest.raises(InvalidArgument) as e:
-            config_from_args(a)
-        assert e.value.field == field
-    a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x", "--draft-vocab", "4096"])
-    assert config_from_args(a).draft_vocab == 4096
-
-
 # ---- cancellation: a client that goes away stops its request within a round ------------------------
 
 def _counter(http, name, labels="") -> float:

@@ -77,6 +77,18 @@ def test_uint64_seeds_and_rounds_beyond_int63_are_invalid_argument(lm, seed, rou
     assert len(list(d.draft_iter("s", None, None, 2, 2**63 - 1, SAMPLE, 2**63 - 1, 0.0, ""))) == 2
 
 
+@pytest.mark.parametrize("position", [2**62 + 1, 2**63, 2**64 - 1])
+def test_coupled_positions_beyond_the_hash_range_are_invalid_argument(lm, position):
+    """A coupled Draft's position (uint64 on the wire) plus the block's offsets is hashed as a signed
+    64-bit integer: a position past 2^62 is refused naming the field, one at the bound drafts."""
+    coupled = SamplingParams(temperature=1.0, coupled=True)
+    d = DrafterWorker(lm)
+    d.sync("s", [1, 2, 3])
+    with pytest.raises(InvalidArgument, match="^position: must be <="):
+        list(d.draft_iter("s", None, None, 2, 0, coupled, 1, 0.0, "", position=position))
+    assert len(list(d.draft_iter("s", None, None, 2, 0, coupled, 1, 0.0, "", position=2**62))) == 2
+
+
 def test_context_overflow_names_the_field_that_overflowed(lm):
     """A history pushed past the context by a Draft's num_draft_tokens, an edit's append or a Verify's
     drafts was reported as "token_ids", a field those requests do not have."""
