@@ -10,7 +10,7 @@ DRAFTER ?= qwen2.5-coder-0.5b
 PROMPT  ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n
 PYTEST_ARGS ?=
 
-.PHONY: venv protos models run generate lint test test-fast fuzz fuzz-grpc bench bench-smoke soak clean
+.PHONY: venv protos models run generate lint test test-fast coverage fuzz fuzz-grpc bench bench-smoke soak clean
 
 $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,14 @@ fuzz-grpc: venv
 # unit tests only (no real models)
 test-fast: venv
 	$(BIN)/python -m pytest -q -ra tests/unit $(PYTEST_ARGS)
+
+# the whole suite under coverage (line + branch, service processes included); prints the table per package
+# and writes .cache/coverage/coverage.json (compare two runs: scripts/coverage_table.py NEW --before OLD)
+coverage: models
+	rm -rf .cache/coverage && mkdir -p .cache/coverage
+	$(BIN)/python -m pytest -q -ra --durations=20 --cov --cov-report= $(PYTEST_ARGS)
+	$(BIN)/python -m coverage json -q -o .cache/coverage/coverage.json
+	$(BIN)/python scripts/coverage_table.py .cache/coverage/coverage.json
 
 bench: venv
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
