@@ -55,6 +55,11 @@ def _add_revision_opts(p: argparse.ArgumentParser) -> None:
                         "env CROSSDRAFT_TARGET_REVISION)")
     p.add_argument("--drafter-revision", default=os.environ.get("CROSSDRAFT_DRAFTER_REVISION") or None,
                    help="branch, tag or commit of a Hub-id drafter (env CROSSDRAFT_DRAFTER_REVISION)")
+    p.add_argument("--target-file", default=os.environ.get("CROSSDRAFT_TARGET_FILE") or None,
+                   help="the GGUF of a Hub-id target repo holding several: its path in the repo (or name its "
+                        "quantisation tag, org/name:Q4_K_M; env CROSSDRAFT_TARGET_FILE)")
+    p.add_argument("--drafter-file", default=os.environ.get("CROSSDRAFT_DRAFTER_FILE") or None,
+                   help="the GGUF of a Hub-id drafter repo holding several (env CROSSDRAFT_DRAFTER_FILE)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the modelling/tokenizer code a Hub repo ships (off by default)")
 
@@ -127,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="catalog name or Hub id (default: env CROSSDRAFT_MODEL)")
     md.add_argument("--revision", default=os.environ.get("CROSSDRAFT_REVISION") or None,
                     help="branch, tag or commit (same as @REV; env CROSSDRAFT_REVISION)")
+    md.add_argument("--file", default=os.environ.get("CROSSDRAFT_MODEL_FILE") or None,
+                    help="a repo of GGUFs: the GGUF to download, its path in the repo (or name its quantisation "
+                         "tag: org/name:Q4_K_M) (env CROSSDRAFT_MODEL_FILE)")
     md.add_argument("--tokenizer-only", action="store_true", help="only the tokenizer and config files")
     md.add_argument("--trust-remote-code", action="store_true",
                     help="also fetch the repo's *.py (env CROSSDRAFT_TRUST_REMOTE_CODE)",
@@ -211,18 +219,21 @@ def cmd_generate(a) -> int:
     if not a.prompt:
         raise InvalidArgument("prompt", "must be a non-empty string")
     # resolve names first: an unknown model fails in milliseconds, before any loading
-    M.resolve_model(a.target, revision=a.target_revision)
+    M.resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
     if a.drafter:
-        M.resolve_model(a.drafter, revision=a.drafter_revision)
+        M.resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
     elif a.drafter_revision:
         raise InvalidArgument("drafter_revision", "given without --drafter")
+    elif a.drafter_file:
+        raise InvalidArgument("drafter_file", "given without --drafter")
     target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device),
                           revision=a.target_revision, trust_remote_code=a.trust_remote_code,
-                          cpu_linear=getattr(a, "cpu_linear", None))
+                          cpu_linear=getattr(a, "cpu_linear", None), model_file=a.target_file)
     drafter = None
     if a.drafter:
         drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device),
                                revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
+                               model_file=a.drafter_file,
                                quantize=getattr(a, "drafter_quantize", "auto"),
                                cpu_linear=getattr(a, "cpu_linear", None))
     engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB))
@@ -320,16 +331,16 @@ def _models_download(a) -> int:
 
     if not a.name:
         raise InvalidArgument("model", "give a catalog name or a Hub id (or set CROSSDRAFT_MODEL)")
-    ref = M.resolve_model(a.name, revision=a.revision)
+    ref = M.resolve_model(a.name, revision=a.revision, model_file=a.file)
     if ref.kind == "catalog":
         print(M.pull(ref.name, progress=True))
         return 0
     if ref.kind != "hub":
         print(ref.path)  # a local path: nothing to download
         return 0
-    commit, snap = hub.fetch(ref.hub, weights=not a.tokenizer_only, trust_remote_code=a.trust_remote_code,
-                             progress=True)
-    print(f"{snap}\t{ref.hub.repo_id}@{commit}")
+    commit, snap, gguf = hub.fetch_files(ref.hub, weights=not a.tokenizer_only,
+                                         trust_remote_code=a.trust_remote_code, progress=True)
+    print(f"{snap / gguf if gguf else snap}\t{ref.hub.repo_id}@{commit}")
     return 0
 
 
@@ -338,11 +349,13 @@ def cmd_vocab(a) -> int:
     from . import models as M
     from . import vocab as V
 
-    M.resolve_model(a.target, revision=a.target_revision)
-    M.resolve_model(a.drafter, revision=a.drafter_revision)
+    M.resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
+    M.resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
     rep = V.vocab_report(
-        M.load_tokenizer(a.target, revision=a.target_revision, trust_remote_code=a.trust_remote_code),
-        M.load_tokenizer(a.drafter, revision=a.drafter_revision, trust_remote_code=a.trust_remote_code))
+        M.load_tokenizer(a.target, revision=a.target_revision, trust_remote_code=a.trust_remote_code,
+                         model_file=a.target_file),
+        M.load_tokenizer(a.drafter, revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
+                         model_file=a.drafter_file))
     rep["target"], rep["drafter"] = a.target, a.drafter
     if a.json:
         print(json.dumps(rep, default=str))

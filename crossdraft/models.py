@@ -27,7 +27,8 @@ in ``downloads/`` whose sha256 matches the catalog is reused, anything else is d
 Loading (:func:`load_model`, :func:`load_tokenizer`) takes a catalog name (pulled on first use), a
 local Hugging Face model directory, a local ``.gguf`` file, or a Hugging Face Hub id ``org/name``
 with an optional ``@revision`` (resolved, downloaded and cached by huggingface_hub itself; see
-:mod:`crossdraft.hub`).
+:mod:`crossdraft.hub`). A Hub repo that holds GGUFs (``org/name:QUANT``, or one GGUF named with
+``model_file``) loads its one GGUF the way a local ``.gguf`` does: dequantised at load time.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import datetime as _dt
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -56,6 +58,8 @@ import torch
 from . import attention
 from . import hub as _hub
 from .errors import InvalidArgument, ModelError, UnknownModel
+
+log = logging.getLogger("crossdraft.models")
 
 __all__ = [
     "CATALOG",
@@ -867,7 +871,8 @@ class ModelRef:
     ``pulled``), ``"hf_dir"`` (a local Hugging Face directory), ``"gguf"`` (a local ``.gguf``
     file; ``path`` is the file) or ``"hub"`` (a Hugging Face Hub id: ``name`` is the repo id,
     ``path`` the cached snapshot and ``revision`` its commit hash once resolved, else the repo's
-    cache folder and ``""``).
+    cache folder and ``""``; ``gguf_file`` the GGUF it loads, a path inside the snapshot, when the
+    repo is served from a GGUF).
     """
 
     spec: str
@@ -877,6 +882,16 @@ class ModelRef:
     entry: CatalogEntry | None = None
     revision: str = ""  # hub: the commit hash of the snapshot ("" until resolved); others: ""
     hub: _hub.HubSpec | None = None
+    gguf_file: str = ""  # hub: the GGUF in the snapshot this loads ("" = safetensors/.bin, or not resolved yet)
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file this loads (a local one, or one in a Hub snapshot), or None."""
+        if self.kind == "gguf":
+            return self.path
+        if self.kind == "hub" and self.gguf_file:
+            return self.path / self.gguf_file
+        return None
 
     @property
     def pulled(self) -> bool:
@@ -885,14 +900,16 @@ class ModelRef:
         return self.kind != "catalog" or is_pulled(self.name)
 
 
-def resolve_model(spec: str | os.PathLike[str], *, revision: str | None = None) -> ModelRef:
+def resolve_model(spec: str | os.PathLike[str], *, revision: str | None = None,
+                  model_file: str | None = None) -> ModelRef:
     """Resolve a catalog name, a local Hugging Face model directory, a local ``.gguf`` file, or a
-    Hugging Face Hub id ``org/name[@revision]``.
+    Hugging Face Hub id ``org/name[:QUANT][@revision]``.
 
     Precedence: catalog name, then an existing local path, then a Hub id. A bare catalog name wins
     over a same-named directory in the working directory; write ``./name`` to mean the directory.
     An existing local path wins over a Hub id of the same spelling. ``revision`` (a branch, tag or
-    commit; the same as ``@revision``) applies to Hub ids only.
+    commit; the same as ``@revision``) applies to Hub ids only, and so does ``model_file`` (the path
+    of a GGUF in the repo, for a repo holding several; see :func:`crossdraft.hub.choose_gguf`).
 
     No network here: a Hub id that is in the cache resolves to its snapshot and commit hash; one
     that is not resolves unresolved (``revision == ""``; :func:`load_model` downloads it), unless
@@ -906,20 +923,27 @@ def resolve_model(spec: str | os.PathLike[str], *, revision: str | None = None) 
     if not text.strip():
         raise InvalidArgument("model", "empty model name")
     revision = (str(revision).strip() or None) if revision is not None else None
+    model_file = (str(model_file).strip() or None) if model_file is not None else None
     if isinstance(spec, str) and text in CATALOG:
         if revision:
             raise InvalidArgument("revision", f"{text!r} is a catalog model (pinned by sha256); a revision applies "
                                               "to Hugging Face Hub ids only")
+        if model_file:
+            raise InvalidArgument("model_file", f"{text!r} is a catalog model; a model file names a GGUF in a "
+                                                "Hugging Face Hub repo")
         return ModelRef(text, "catalog", text, _cache_dir(text), CATALOG[text])
     path = Path(text).expanduser()
     if not path.exists() and isinstance(spec, str) and _hub.is_hub_id(text):
-        return _resolve_hub(text, revision)
+        return _resolve_hub(text, revision, model_file)
     if revision:
         raise InvalidArgument("revision", f"{text!r} is a local path; a revision applies to Hugging Face Hub ids only")
+    if model_file:
+        raise InvalidArgument("model_file", f"{text!r} is a local path; a model file names a GGUF in a Hugging Face "
+                                            "Hub repo (give a local GGUF's own path as the model)")
     if not path.exists():
         raise UnknownModel(
             f"unknown model {text!r}: not a catalog name ({_catalog_list()}), no such local path, and not a "
-            "Hugging Face Hub id (org/name or org/name@revision)"
+            "Hugging Face Hub id (org/name, org/name@revision or org/name:QUANT)"
         )
     path = path.resolve()
     if path.is_dir():
@@ -941,15 +965,21 @@ def resolve_model(spec: str | os.PathLike[str], *, revision: str | None = None) 
     raise ModelError(f"{path} is not a regular file or directory")
 
 
-def _resolve_hub(text: str, revision: str | None) -> ModelRef:
-    spec = _hub.parse_hub_spec(text, revision)
+def _resolve_hub(text: str, revision: str | None, model_file: str | None) -> ModelRef:
+    spec = _hub.parse_hub_spec(text, revision, file=model_file)
     hit = _hub.cached_snapshot(spec)
     if hit is None and _hub.is_offline():
         _hub.fetch(spec, weights=False)  # raises the "not in the cache" error naming what is cached
     if hit is None:
         return ModelRef(text, "hub", spec.repo_id, _hub.hub_cache_dir(), hub=spec)
     commit, snap = hit
-    return ModelRef(text, "hub", spec.repo_id, snap, revision=commit, hub=spec)
+    try:  # the GGUF the cached snapshot serves; offline a missing or ambiguous one fails here, at once
+        gguf = _hub.choose_gguf(spec, _hub.snapshot_files(snap), cached=True)
+    except InvalidArgument:
+        if _hub.is_offline():
+            raise
+        gguf = None  # online: the repo's own listing decides when it is fetched
+    return ModelRef(text, "hub", spec.repo_id, snap, revision=commit, hub=spec, gguf_file=gguf or "")
 
 
 def _fetch_hub(ref: ModelRef, *, weights: bool, pull_missing: bool, progress: bool,
@@ -957,12 +987,16 @@ def _fetch_hub(ref: ModelRef, *, weights: bool, pull_missing: bool, progress: bo
     """``ref`` with its snapshot in the cache (downloaded if missing and allowed): path and commit set."""
     assert ref.hub is not None
     if not pull_missing:  # the cache only, as it is
-        if ref.revision and (not weights or _hub.has_weights(ref.path)):
+        if ref.revision and (ref.gguf_file or (not ref.hub.names_gguf
+                                               and (not weights or _hub.has_weights(ref.path)))):
             return ref
         raise ModelError(f"Hugging Face model {ref.spec!r} is not (completely) in the cache {_hub.hub_cache_dir()}; "
-                         f"run `crossdraft models download {ref.hub}`")
-    commit, snap = _hub.fetch(ref.hub, weights=weights, trust_remote_code=trust_remote_code, progress=progress)
-    return ModelRef(ref.spec, "hub", ref.name, snap, revision=commit, hub=ref.hub)
+                         f"run `crossdraft models download {ref.hub.cli_args()}`")
+    commit, snap, gguf = _hub.fetch_files(ref.hub, weights=weights, trust_remote_code=trust_remote_code,
+                                          progress=progress)
+    if gguf is not None:
+        inspect_gguf(snap / gguf)  # a truncated or corrupt download fails here, naming the file
+    return ModelRef(ref.spec, "hub", ref.name, snap, revision=commit, hub=ref.hub, gguf_file=gguf or "")
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:
@@ -1116,8 +1150,8 @@ def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        if ref.kind == "gguf":
-            return AutoTokenizer.from_pretrained(str(ref.path.parent), gguf_file=ref.path.name)
+        if (gguf := ref.gguf_path) is not None:
+            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         extra = {"trust_remote_code": True} if trust_remote_code else {}
         return AutoTokenizer.from_pretrained(str(ref.path), **extra)
     except Exception as e:
@@ -1126,12 +1160,42 @@ def _tokenizer_from(ref: ModelRef, trust_remote_code: bool = False) -> Any:
 
 
 def load_tokenizer(spec: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True,
-                   revision: str | None = None, trust_remote_code: bool = False) -> Any:
+                   revision: str | None = None, trust_remote_code: bool = False, model_file: str | None = None) -> Any:
     """The tokenizer of a catalog name (pulled if missing), HF directory, ``.gguf`` file or Hub id
-    (only its tokenizer and config files are downloaded, never the weights)."""
-    ref = _ensure_available(resolve_model(spec, revision=revision), pull_missing=pull_missing, progress=progress,
-                            weights=False, trust_remote_code=trust_remote_code)
+    (only its tokenizer and config files are downloaded, never the weights; of a GGUF repo, the one
+    GGUF, which holds the tokenizer)."""
+    ref = _ensure_available(resolve_model(spec, revision=revision, model_file=model_file), pull_missing=pull_missing,
+                            progress=progress, weights=False, trust_remote_code=trust_remote_code)
     return _tokenizer_from(ref, trust_remote_code)
+
+
+def _weights_bytes(model: Any) -> int:
+    """Bytes the model's parameters and buffers take (each tensor once: tied weights count once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB, MiB or KiB with two decimals (the largest unit the number reaches)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
+
+
+def _log_dequantised(ref: ModelRef, gguf: Path, model: Any, progress: bool) -> None:
+    """Log what a GGUF became in memory: its quantised weights are now dense tensors, several times
+    the file's size (float32: about 8x a 4-bit GGUF). With ``progress`` (the CLI) on stderr too."""
+    msg = (f"{ref.spec}: {gguf.name} ({_size(gguf.stat().st_size)}) dequantised to "
+           f"{str(model.dtype).replace('torch.', '')}: {_size(_weights_bytes(model))}")
+    log.info("%s", msg)
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _logits_width(model: Any) -> int:
@@ -1155,14 +1219,17 @@ def load_model(
     trust_remote_code: bool = False,
     quantize: str = "none",
     cpu_linear: str | None = None,
+    model_file: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for inference.
 
     ``spec``: catalog name (pulled first if missing and ``pull_missing``), local HF directory,
     local ``.gguf`` file (dequantized at load time; slower than a pulled catalog model), or Hub id
     ``org/name[@revision]`` (downloaded into the Hub cache first if missing and ``pull_missing``,
-    unless HF_HUB_OFFLINE; ``revision`` is the same as ``@revision``). ``trust_remote_code`` runs
-    the repo's own modelling code; off unless asked for.
+    unless HF_HUB_OFFLINE; ``revision`` is the same as ``@revision``); a Hub repo of GGUFs loads one
+    GGUF (``org/name:QUANT`` or ``model_file``, its path in the repo; needed when it holds several),
+    dequantized at load time like a local ``.gguf``. ``trust_remote_code`` runs the repo's own
+    modelling code; off unless asked for.
     ``dtype``: ``None`` means float32; see :func:`parse_dtype`. ``device``: ``cpu``, ``cuda``,
     ``cuda:N``; ignored when ``device_map`` (e.g. ``"auto"``) is given, in which case it and
     ``max_memory`` go to ``from_pretrained`` and ``LoadedModel.device`` is where the input
@@ -1189,10 +1256,11 @@ def load_model(
         target = parse_device(device)
         if target.type != "cpu":
             kwargs["device_map"] = {"": target}  # load straight onto the accelerator
-    ref = _ensure_available(resolve_model(spec, revision=revision), pull_missing=pull_missing, progress=progress,
-                            trust_remote_code=trust_remote_code)
-    if ref.kind == "gguf":
-        source, kwargs["gguf_file"] = str(ref.path.parent), ref.path.name
+    ref = _ensure_available(resolve_model(spec, revision=revision, model_file=model_file), pull_missing=pull_missing,
+                            progress=progress, trust_remote_code=trust_remote_code)
+    gguf = ref.gguf_path
+    if gguf is not None:
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
     else:
         source = str(ref.path)
     if trust_remote_code:
@@ -1202,7 +1270,7 @@ def load_model(
         return AutoModelForCausalLM.from_pretrained(source, **kwargs, **extra)
 
     # transformers' own bars only for the slow case (dequantizing a GGUF at load time)
-    with _quiet_transformers(progress and ref.kind == "gguf"):
+    with _quiet_transformers(progress and gguf is not None):
         try:
             try:
                 model = _from_pretrained(attn_implementation="sdpa")
@@ -1214,8 +1282,9 @@ def load_model(
             raise
         except Exception as e:
             raise ModelError(f"could not load model {ref.spec!r} from {ref.path}: {type(e).__name__}: {e}") from e
-    if ref.kind == "gguf":
+    if gguf is not None:
         _detach_gguf_quantizer(model)
+        _log_dequantised(ref, gguf, model, progress)
     attention.install()  # GQA on a CPU without per-head copies of K/V (same numbers)
     model.eval()
     model.requires_grad_(False)

@@ -46,6 +46,7 @@ class ModelServerConfig:
     tls: TLSConfig = TLSConfig()  # certificate, key, client CA: mutual TLS when set (crossdraft.tls)
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (probes that cannot do TLS); 0 = off
     revision: str | None = None  # Hub ids: branch, tag or commit (same as model@REV)
+    model_file: str | None = None  # Hub ids: the GGUF in the repo to serve (a repo of several GGUFs)
     trust_remote_code: bool = False  # Hub ids / HF dirs: run the repo's own modelling code
     quantize: str = "auto"  # drafters: int8 weight copies for one-token steps (crossdraft.quant); verifiers: none
     cpu_linear: str = "auto"  # fp32 on a CPU: linear layers on oneDNN-packed weights if faster (crossdraft.cpulinear)
@@ -75,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "(env CROSSDRAFT_MODEL)")
     p.add_argument("--revision", default=_env("REVISION", None) or None,
                    help="branch, tag or commit of a Hub-id model, the same as org/name@REV (env CROSSDRAFT_REVISION)")
+    p.add_argument("--model-file", default=_env("MODEL_FILE", None) or None,
+                   help="a Hub repo of GGUFs: the path of the GGUF to serve, for a repo holding several (the same "
+                        "as org/name:QUANT with its quantisation tag) (env CROSSDRAFT_MODEL_FILE)")
     p.add_argument("--trust-remote-code", action="store_true", default=_bool_env(_env("TRUST_REMOTE_CODE", "")),
                    help="run the modelling code a Hub repo ships (off by default; env CROSSDRAFT_TRUST_REMOTE_CODE)")
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
@@ -168,6 +172,7 @@ def config_from_args(a) -> ModelServerConfig:
                                           ca_file=getattr(a, "tls_client_ca_file", "") or ""),
                             health_port=getattr(a, "health_port", 0),
                             revision=getattr(a, "revision", None) or None,
+                            model_file=getattr(a, "model_file", None) or None,
                             trust_remote_code=bool(getattr(a, "trust_remote_code", False)),
                             quantize=parse_mode(getattr(a, "quantize", "auto")),
                             cpu_linear=cpulinear.parse_mode(getattr(a, "cpu_linear", "auto") or "auto"))
@@ -268,7 +273,7 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
             with costs.cpu_startup_lock(device):
                 loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
                                     trust_remote_code=cfg.trust_remote_code, quantize=quantize_for(kind, cfg),
-                                    cpu_linear=cfg.cpu_linear)
+                                    cpu_linear=cfg.cpu_linear, model_file=cfg.model_file)
                 worker = make_worker(loaded)
                 ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
             if hasattr(worker, "token_bytes"):

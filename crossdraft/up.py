@@ -68,6 +68,8 @@ class UpConfig:
     drafter_dtype: str | None = None  # drafter --dtype (None = its default)
     target_revision: str | None = None  # verifier --revision of a Hub-id target (None = the id's own / main)
     drafter_revision: str | None = None  # drafter --revision of a Hub-id drafter
+    target_file: str | None = None  # verifier --model-file: the GGUF of a Hub-id target repo holding several
+    drafter_file: str | None = None  # drafter --model-file: the GGUF of a Hub-id drafter repo holding several
     trust_remote_code: bool = False  # --trust-remote-code for both model servers
     redis_url: str | None = None  # Redis for the gateway; None = start an embedded redis-server
     ready_timeout_s: float = 900.0  # how long model loading may take before giving up
@@ -121,7 +123,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if len(set(ports.values())) != len(ports):
         raise ValueError(f"ports must be distinct: {ports}")
 
-    def model_args(model: str, port: int, dtype: str | None, revision: str | None = None) -> list[str]:
+    def model_args(model: str, port: int, dtype: str | None, revision: str | None = None,
+                   model_file: str | None = None) -> list[str]:
         args = ["--model", model, "--host", cfg.host, "--port", str(port)]
         if cfg.device:
             args += ["--device", cfg.device]
@@ -129,6 +132,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
             args += ["--dtype", dtype]
         if revision:
             args += ["--revision", revision]
+        if model_file:
+            args += ["--model-file", model_file]
         if cfg.trust_remote_code:
             args += ["--trust-remote-code"]
         return args
@@ -136,9 +141,11 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     cmds: dict[str, list[str]] = {}
     if cfg.drafter is not None:
         cmds["drafter"] = [cfg.python, "-m", "drafter",
-                           *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype, cfg.drafter_revision)]
+                           *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype, cfg.drafter_revision,
+                                      cfg.drafter_file)]
     cmds["verifier"] = [cfg.python, "-m", "verifier",
-                        *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype, cfg.target_revision)]
+                        *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype, cfg.target_revision,
+                                   cfg.target_file)]
     gateway = [cfg.python, "-m", "gateway"]
     if cfg.drafter is not None:
         gateway += ["--drafter", f"{cfg.host}:{cfg.drafter_port}"]
@@ -182,6 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter model: catalog name, HF directory, .gguf or Hub id org/name[@revision]")
     parser.add_argument("--target-revision", default=None, help="branch, tag or commit of a Hub-id target")
     parser.add_argument("--drafter-revision", default=None, help="branch, tag or commit of a Hub-id drafter")
+    parser.add_argument("--target-file", default=None,
+                        help="the GGUF to serve of a Hub-id target repo holding several (its path in the repo; "
+                             "or name its quantisation tag: org/name:Q4_K_M)")
+    parser.add_argument("--drafter-file", default=None,
+                        help="the GGUF to serve of a Hub-id drafter repo holding several (its path in the repo)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let both model servers run a Hub repo's own code (off by default)")
     parser.add_argument("--no-drafter", action="store_true", help="run target-only: no drafter service")
@@ -220,6 +232,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         drafter_dtype=args.drafter_dtype,
         target_revision=getattr(args, "target_revision", None) or None,
         drafter_revision=getattr(args, "drafter_revision", None) or None,
+        target_file=getattr(args, "target_file", None) or None,
+        drafter_file=getattr(args, "drafter_file", None) or None,
         trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
         redis_url=env.get("REDIS_URL") or None,
         ready_timeout_s=args.ready_timeout_s,

@@ -3,7 +3,8 @@
 The Hub is not reachable here: every process runs with HF_HUB_OFFLINE=1 and HF_HOME pointing at a
 Hub cache laid out on disk as huggingface_hub writes it (refs/, snapshots/<commit>/, blobs/), with
 tiny random-init models in it. Real processes: two verifiers serving two revisions of one target
-(main and tag v1), a drafter pinned by commit, Redis, and gateways.
+(main and tag v1), a drafter pinned by commit, Redis, and gateways; and a verifier serving one GGUF
+of a repo that holds only GGUFs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import requests
 
 from crossdraft.redis_server import RedisServer
-from tests.hub_fixtures import add_snapshot, fake_commit, hub_env
+from tests.hub_fixtures import add_snapshot, fake_commit, gguf_sources, hub_env
 from tests.service_fixtures import Proc, free_port, gateway, save_tiny_pair, wait_grpc_healthy, wait_http_ready
 
 T_REPO, D_REPO = "tiny-org/tiny-target", "tiny-org/tiny-drafter"
@@ -222,3 +223,32 @@ def test_a_gateway_left_on_the_old_revision_asks_to_be_restarted(hub_pods):
     # a restarted gateway pairs what the verifiers serve now
     gw2 = build_gateway(cfg, pools=(Pool("verifier", [a_v1]), Pool("drafter", [a_d])))
     assert gw2.model_revision == C_V1 and gw2.readiness(max_age_s=0)[0] and gw2.stale_pairing() is None
+
+
+def test_a_verifier_serves_one_gguf_of_a_gguf_repo(tmp_path):
+    """A repo of two GGUFs: --model-file (CROSSDRAFT_MODEL_FILE in the chart) picks one, the server
+    reports the repo and commit and logs what the dequantised weights take; without it the server
+    fails and lists the GGUFs."""
+    from gateway.clients import RemoteVerifier
+
+    repo, commit = "tiny-org/two-ggufs", fake_commit("e2e-two-ggufs")
+    add_snapshot(tmp_path / "hf" / "hub", repo, gguf_sources(), commit, only=("tiny-Q8_0.gguf", "tiny-Q4_0.gguf"))
+    env = hub_env(tmp_path / "hf")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    p, addr = _server("verifier", ["--model", repo, "--model-file", "tiny-Q4_0.gguf", "--cpu-linear", "plain"], logs,
+                      env)
+    try:
+        wait_grpc_healthy(addr, p)
+        info = RemoteVerifier(addr).info()
+        assert (info["model_name"], info["revision"]) == (repo, commit)
+        assert "tiny-Q4_0.gguf (27.00 KiB) dequantised to float32: " in p.tail(), p.tail()
+    finally:
+        p.stop()
+    p, _ = _server("verifier", ["--model", repo], logs, env)
+    try:
+        p.p.wait(120)
+    finally:
+        p.kill()
+    assert p.p.returncode != 0
+    assert "holds 2 GGUF files: tiny-Q4_0.gguf, tiny-Q8_0.gguf" in p.tail(), p.tail()

@@ -31,6 +31,7 @@ CHEAP_POOL = {"crossdraft.io/pool": "cheap-gpu"}
 OTEL_ENDPOINT = "http://otel-collector.observability:4317"
 TARGET_HUB, DRAFTER_HUB = "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
 TARGET_SHA = "0e9e39f249a16976918f6564b8830bc894c89659"
+TARGET_GGUF, DRAFTER_GGUF = "example-org/Target-8B-GGUF", "example-org/Drafter-0.5B-GGUF"
 
 VARIANTS: dict[str, dict] = {
     "default": {},
@@ -65,6 +66,11 @@ VARIANTS: dict[str, dict] = {
         "drafter": {"model": f"{DRAFTER_HUB}@main"},
         "hub": {"hfTokenSecret": {"name": "hf-token", "key": "hf_token", "mountAs": "env"},
                 "cache": {"existingClaim": "hf-models"}, "endpoint": "https://hf-mirror.internal"},
+    },
+    # repos of GGUFs: the target by quantisation tag (and a revision), the drafter's GGUF named by modelFile
+    "hub-gguf": {
+        "verifier": {"model": f"{TARGET_GGUF}:Q4_K_M@v2"},
+        "drafter": {"model": DRAFTER_GGUF, "modelFile": "Q8_0/drafter-Q8_0.gguf", "revision": TARGET_SHA},
     },
     # TLS everywhere (certificates from existing Secrets) and an external Redis over TLS with a password
     "tls": {
@@ -239,6 +245,9 @@ def test_crd_kinds_only_when_enabled(render):
     "hub.token=hf_plaintext",
     "hub.hfTokenSecret.mountAs=plain",
     "verifier.revision=main@other",
+    "drafter.modelFile=/abs/model.gguf",
+    "verifier.modelFile=model.safetensors",
+    "verifier.modelFile=../up.gguf",
     "hub.cache.create.size=lots",
     "hub.endpoint=mirror.internal",
 ])
@@ -641,6 +650,27 @@ def test_hub_ids_revision_token_env_and_shared_cache(render):
     genv = env_of(gateway(docs))
     assert not {"CROSSDRAFT_TARGET_TOKENIZER", "CROSSDRAFT_DRAFTER_TOKENIZER", "HF_TOKEN", "HF_HOME"} & set(genv)
     assert "initContainers" not in pod_spec(gateway(docs))
+
+
+def test_hub_gguf_repos_model_file_and_tag(render):
+    """A GGUF repo named with :QUANT is a Hub id (downloaded by the init container, tokenizer from the
+    server); modelFile reaches the init container and the server as CROSSDRAFT_MODEL_FILE."""
+    docs = render("hub-gguf")
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm == {"drafter-model": DRAFTER_GGUF, "verifier-model": f"{TARGET_GGUF}:Q4_K_M@v2",
+                  "drafter-revision": TARGET_SHA, "drafter-model-file": "Q8_0/drafter-Q8_0.gguf"}
+    for doc, comp in ((drafter(docs), "drafter"), (verifier(docs), "verifier")):
+        (init,) = pod_spec(doc)["initContainers"]
+        assert init["command"] == ["python", "-m", "crossdraft.cli", "models", "download"]
+        for c in (init, container(doc)):
+            env = _all_env(c)
+            if comp == "drafter":
+                assert env["CROSSDRAFT_MODEL_FILE"]["valueFrom"]["configMapKeyRef"] == {
+                    "name": f"{FULL}-models", "key": "drafter-model-file"}
+            else:
+                assert "CROSSDRAFT_MODEL_FILE" not in env and "CROSSDRAFT_REVISION" not in env  # the id says both
+    genv = env_of(gateway(docs))
+    assert not {"CROSSDRAFT_TARGET_TOKENIZER", "CROSSDRAFT_DRAFTER_TOKENIZER"} & set(genv)
 
 
 def test_hub_token_file_and_created_cache(render):

@@ -26,12 +26,16 @@ import pytest
 from crossdraft import hub
 from crossdraft import models as M
 from crossdraft.errors import InvalidArgument, ModelError, UnknownModel
-from tests.hub_fixtures import add_snapshot, fake_commit, hub_env
+from tests.hub_fixtures import add_snapshot, fake_commit, gguf_sources, hub_env
 from tests.service_fixtures import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 T_REPO, D_REPO = "tiny-org/tiny-target", "tiny-org/tiny-drafter"
 C1, C2, D1 = fake_commit("target-1"), fake_commit("target-2"), fake_commit("drafter-1")
+# repos of GGUFs only: one GGUF; two quantisations (and a split one); a split one only
+G_REPO, MULTI_REPO, SPLIT_REPO = "tiny-org/tiny-gguf", "tiny-org/multi-gguf", "tiny-org/split-gguf"
+G1, M1, S1 = fake_commit("gguf-1"), fake_commit("multi-1"), fake_commit("split-1")
+SPLIT_PARTS = ("tiny-F16-00001-of-00002.gguf", "tiny-F16-00002-of-00002.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,10 @@ def hf_home(tmp_path_factory) -> Path:
     add_snapshot(home / "hub", D_REPO, d_dir, D1)
     toks = tuple(p.name for p in t_dir.iterdir() if p.name.startswith("tokenizer") or p.name == "config.json")
     add_snapshot(home / "hub", "tiny-org/tokenizer-only", t_dir, fake_commit("tok"), only=toks)
+    g = gguf_sources()
+    add_snapshot(home / "hub", G_REPO, g, G1, only=("tiny-Q8_0.gguf", "README.md"))
+    add_snapshot(home / "hub", MULTI_REPO, g, M1, refs=("main", "v1"))
+    add_snapshot(home / "hub", SPLIT_REPO, g, S1, only=(*SPLIT_PARTS, "README.md"))
     return home
 
 
@@ -532,6 +540,9 @@ def test_pull_missing_false_uses_the_cache_only(hf_home, monkeypatch):
         M.load_tokenizer("nobody/else", pull_missing=False)
     with pytest.raises(ModelError, match="not \\(completely\\) in the cache"):
         M.load_model("tiny-org/tokenizer-only", pull_missing=False)
+    with pytest.raises(ModelError, match="'tiny-org/tiny-gguf:Q4_0' is not \\(completely\\) in the cache"):
+        M.load_model(f"{G_REPO}:Q4_0", pull_missing=False)  # the snapshot holds the Q8_0 GGUF only
+    assert M.load_model(G_REPO, pull_missing=False, progress=False, cpu_linear="plain").revision == G1
 
 
 def test_cost_tables_of_the_test_models_stay_in_the_test_home(offline, monkeypatch):
@@ -544,3 +555,195 @@ def test_cost_tables_of_the_test_models_stay_in_the_test_home(offline, monkeypat
     assert costs.forward_ms(lm, 2)
     home = Path(os.environ["CROSSDRAFT_HOME"])
     assert home.is_relative_to(offline) and sorted((home / "costs").glob("*.json"))
+
+
+# ------------------------------------------------------------------------------------- GGUF repos
+
+
+@pytest.mark.parametrize("text,repo,rev,quant", [
+    ("org/name:Q4_K_M", "org/name", None, "Q4_K_M"),
+    ("org/name:q4_k_m@v1", "org/name", "v1", "q4_k_m"),
+    (f"org/name@{C1}:IQ2_XXS", "org/name", C1, "IQ2_XXS"),
+    ("org/name-GGUF:UD-Q4_K_XL", "org/name-GGUF", None, "UD-Q4_K_XL"),
+])
+def test_parse_quant_tag(text, repo, rev, quant):
+    s = hub.parse_hub_spec(text)
+    assert (s.repo_id, s.revision, s.quant, s.file) == (repo, rev, quant, None)
+    assert hub.parse_hub_spec(str(s)) == s  # str() is org/name:QUANT[@rev]: it parses back
+
+
+@pytest.mark.parametrize("text", ["org/name:", "org/name:a:b", "org/name:Q4@v1:Q8", "org/name:Q 4", "org:Q4/name"])
+def test_not_hub_ids_with_tags(text):
+    assert not hub.is_hub_id(text)
+
+
+def test_model_file_is_checked_and_must_agree_with_the_tag():
+    assert hub.parse_hub_spec("org/name", file="sub/m-Q4_0.gguf").file == "sub/m-Q4_0.gguf"
+    assert hub.parse_hub_spec("org/name:q4_0", file="m-Q4_0.gguf").quant == "q4_0"
+    for bad in ("/abs/m.gguf", "../m.gguf", "m.safetensors", "a b.gguf"):
+        with pytest.raises(InvalidArgument, match="^model_file: .*not the path of a .gguf file"):
+            hub.parse_hub_spec("org/name", file=bad)
+    with pytest.raises(InvalidArgument, match="^model_file: 'm-Q8_0.gguf' does not carry .*'Q4_0'"):
+        hub.parse_hub_spec("org/name:Q4_0", file="m-Q8_0.gguf")
+
+
+def test_choose_gguf():
+    spec = hub.parse_hub_spec
+    files = ["README.md", "m-Q4_K_M.gguf", "m-Q4_K_M_L.gguf", "m.Q8_0.gguf", "IQ4_K.gguf",
+             "BF16/m-BF16-00001-of-00002.gguf", "BF16/m-BF16-00002-of-00002.gguf"]
+    assert hub.choose_gguf(spec("o/n:q4_k_m"), files) == "m-Q4_K_M.gguf"  # a word of the name, any case
+    assert hub.choose_gguf(spec("o/n:Q8_0"), files) == "m.Q8_0.gguf"
+    assert hub.choose_gguf(spec("o/n:IQ4_K"), files) == "IQ4_K.gguf"
+    assert hub.choose_gguf(spec("o/n", file="m-Q4_K_M_L.gguf"), files) == "m-Q4_K_M_L.gguf"
+    with pytest.raises(InvalidArgument, match="^model: .*split into 2 files"):
+        hub.choose_gguf(spec("o/n:BF16"), files)
+    with pytest.raises(InvalidArgument, match="^model_file: .* holds 7 GGUF files: .*m-Q4_K_M.gguf.*--model-file"):
+        hub.choose_gguf(spec("o/n"), files + ["m-Q4_K_M-L.gguf"][:0] + ["x.gguf"])
+    with pytest.raises(InvalidArgument, match="^model: no GGUF .* carries the quantisation tag 'Q4_K'"):
+        hub.choose_gguf(spec("o/n:Q4_K"), files)  # Q4_K_M is another tag
+    with pytest.raises(InvalidArgument, match="^model: 2 GGUFs .*'Q5'"):
+        hub.choose_gguf(spec("o/n:Q5"), ["a-Q5.gguf", "b-Q5.gguf"])
+    # a repo with safetensors loads them unless a GGUF is named; one without GGUFs is not a GGUF repo
+    assert hub.choose_gguf(spec("o/n"), ["model.safetensors", "m-Q4_0.gguf"]) is None
+    assert hub.choose_gguf(spec("o/n:Q4_0"), ["model.safetensors", "m-Q4_0.gguf"]) == "m-Q4_0.gguf"
+    assert hub.choose_gguf(spec("o/n"), ["config.json", "pytorch_model.bin"]) is None
+    assert hub.choose_gguf(spec("o/n"), ["README.md", "only.gguf"]) == "only.gguf"
+
+
+def _greedy(lm, prompt="def add(a, b):", n=12) -> list[int]:
+    import torch
+
+    ids = torch.tensor([lm.tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        return lm.model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def local_gguf_greedy() -> dict[str, list[int]]:
+    """Greedy tokens of each GGUF loaded from its local path: what every Hub spelling must give."""
+    g = gguf_sources()
+    return {q: _greedy(M.load_model(str(g / f"tiny-{q}.gguf"), progress=False, cpu_linear="plain"))
+            for q in ("Q8_0", "Q4_0")}
+
+
+def test_gguf_repo_loads_by_id(offline, local_gguf_greedy, caplog):
+    import logging
+
+    ref = M.resolve_model(G_REPO)
+    assert (ref.kind, ref.revision, ref.gguf_file) == ("hub", G1, "tiny-Q8_0.gguf")
+    with caplog.at_level(logging.INFO, logger="crossdraft.models"):
+        lm = M.load_model(G_REPO, progress=False, cpu_linear="plain")
+    assert (lm.kind, lm.name, lm.revision) == ("hub", G_REPO, G1)
+    assert lm.vocab_size == 400 and len(lm.tokenizer) == 400
+    assert _greedy(lm) == local_gguf_greedy["Q8_0"]  # token-identical to the same GGUF from a local path
+    assert local_gguf_greedy["Q8_0"] != local_gguf_greedy["Q4_0"]  # (the two quantisations do differ)
+    assert any("tiny-Q8_0.gguf" in r.getMessage() and "dequantised to float32: " in r.getMessage()
+               and "KiB" in r.getMessage() for r in caplog.records), caplog.text
+    assert len(M.load_tokenizer(G_REPO)) == 400  # the tokenizer comes from the GGUF
+
+
+def test_gguf_repo_by_tag_and_by_file(offline, local_gguf_greedy):
+    by_tag = M.load_model(f"{MULTI_REPO}:q4_0", progress=False, cpu_linear="plain")  # any case
+    assert (by_tag.revision, M.resolve_model(f"{MULTI_REPO}:q4_0").gguf_file) == (M1, "tiny-Q4_0.gguf")
+    assert _greedy(by_tag) == local_gguf_greedy["Q4_0"]
+    by_file = M.load_model(MULTI_REPO, model_file="tiny-Q8_0.gguf", revision="v1", progress=False,
+                           cpu_linear="plain")
+    assert by_file.revision == M1 and _greedy(by_file) == local_gguf_greedy["Q8_0"]
+    assert M.resolve_model(f"{MULTI_REPO}:Q8_0@{M1}", model_file="tiny-Q8_0.gguf").gguf_file == "tiny-Q8_0.gguf"
+
+
+def test_gguf_repo_errors(offline, tmp_path):
+    with pytest.raises(InvalidArgument) as e:  # at resolve time: no loading
+        M.resolve_model(MULTI_REPO)
+    msg = str(e.value)
+    assert e.value.field == "model_file" and "holds 4 GGUF files" in msg
+    assert all(f in msg for f in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf", *SPLIT_PARTS))
+    assert f"{MULTI_REPO}:<QUANT>" in msg and "--model-file" in msg
+    with pytest.raises(InvalidArgument, match="holds 4 GGUF files"):
+        M.load_model(MULTI_REPO)
+    with pytest.raises(InvalidArgument, match="^model: no GGUF .*'Q5_K_M' .*tiny-Q4_0.gguf.*crossdraft models "
+                                              "download tiny-org/multi-gguf:Q5_K_M"):
+        M.load_model(f"{MULTI_REPO}:Q5_K_M")
+    with pytest.raises(InvalidArgument, match="^model_file: .* has no file 'nope.gguf'.*--file nope.gguf"):
+        M.load_tokenizer(MULTI_REPO, model_file="nope.gguf")
+    for spec in (SPLIT_REPO, f"{MULTI_REPO}:F16"):
+        with pytest.raises(InvalidArgument, match="part 1 of a GGUF split into 2 files .*gguf-split.*--merge"):
+            M.load_model(spec)
+    with pytest.raises(InvalidArgument, match="^model_file: .*local path"):
+        M.resolve_model(str(gguf_sources() / "tiny-Q8_0.gguf"), model_file="tiny-Q4_0.gguf")
+    with pytest.raises(InvalidArgument, match="^model_file: .*catalog model"):
+        M.resolve_model("smollm2-135m", model_file="x.gguf")
+    with pytest.raises(InvalidArgument, match="cached snapshot .*tiny-gguf:Q4_0.*holds tiny-Q8_0.gguf.*HF_HUB_OFFLINE"):
+        M.load_model(f"{G_REPO}:Q4_0")
+
+
+def test_gguf_repo_download_fetches_one_gguf(monkeypatch, tmp_path, local_gguf_greedy):
+    """Online, against the stand-in Hub: the tagged GGUF and nothing else is downloaded; a repo of
+    several GGUFs without a tag is refused from the Hub's listing, before any download."""
+    import huggingface_hub.constants as C
+
+    g = gguf_sources()
+    _ServingHub.files = {p.name: p.read_bytes() for p in g.iterdir()}
+    _ServingHub.files["Q4_0/tiny-Q4_0.gguf"] = _ServingHub.files.pop("tiny-Q4_0.gguf")  # a GGUF in a folder
+    _ServingHub.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ServingHub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+        monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        cache = tmp_path / "hf" / "hub"
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+        with pytest.raises(InvalidArgument, match="repo 'fake-org/real' holds 4 GGUF files"):
+            M.load_model("fake-org/real")
+        assert not any("/resolve/" in r for r in _ServingHub.requests)
+        lm = M.load_model("fake-org/real:Q4_0", progress=False, cpu_linear="plain")
+        assert lm.revision == _ServingHub.commit and _greedy(lm) == local_gguf_greedy["Q4_0"]
+        snap = cache / "models--fake-org--real" / "snapshots" / _ServingHub.commit
+        assert {str(p.relative_to(snap)) for p in snap.rglob("*") if not p.is_dir()} == {"Q4_0/tiny-Q4_0.gguf"}
+    finally:
+        srv.shutdown()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is gone: the cache answers, the one GGUF needs no tag
+    assert M.resolve_model("fake-org/real").gguf_file == "Q4_0/tiny-Q4_0.gguf"
+    with pytest.raises(InvalidArgument, match="no GGUF of the cached snapshot .*'Q8_0'.*Q4_0/tiny-Q4_0.gguf.*HF_HUB_OFFLINE"):
+        M.load_model("fake-org/real:Q8_0")
+
+
+def test_cli_generate_gguf_repo(hf_home):
+    env = hub_env(hf_home)
+    r = _cli(["generate", "--target", MULTI_REPO, "--target-file", "tiny-Q4_0.gguf", "--drafter", f"{G_REPO}@{G1}",
+              "--prompt", "def add(a, b):", "--max-new-tokens", "6", "--json", "--target-dtype", "float32",
+              "--drafter-dtype", "float32", "--cpu-linear", "plain"], env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["target_revision"], out["drafter_revision"], len(out["token_ids"])) == (M1, G1, 6)
+    assert "tiny-Q4_0.gguf (27.00 KiB) dequantised to float32: " in r.stderr, r.stderr
+    r = _cli(["generate", "--target", MULTI_REPO, "--prompt", "x"], env)
+    assert r.returncode == 2 and "model_file: " in r.stderr and "holds 4 GGUF files" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_model_file_flags_env_and_up(monkeypatch):
+    import argparse
+
+    from crossdraft import modelserver
+    from crossdraft.up import UpConfig, child_commands
+
+    def cfg(argv):
+        p = argparse.ArgumentParser()
+        modelserver.add_arguments(p, 50061)
+        return modelserver.config_from_args(p.parse_args(argv))
+
+    monkeypatch.delenv("CROSSDRAFT_MODEL_FILE", raising=False)
+    assert cfg(["--model", "org/name"]).model_file is None
+    assert cfg(["--model", "org/name", "--model-file", "m-Q4_0.gguf"]).model_file == "m-Q4_0.gguf"
+    monkeypatch.setenv("CROSSDRAFT_MODEL_FILE", "sub/m.gguf")
+    assert cfg(["--model", "org/name"]).model_file == "sub/m.gguf"
+    cmds = child_commands(UpConfig(target="org/t", drafter="org/d:Q4_0", target_file="t-Q8_0.gguf",
+                                   redis_url="redis://127.0.0.1:1/0", http_port=1001, grpc_port=1002,
+                                   drafter_port=1003, verifier_port=1004))
+    v, d = cmds["verifier"], cmds["drafter"]
+    assert v[v.index("--model-file") + 1] == "t-Q8_0.gguf" and "--model-file" not in d
+    assert d[d.index("--model") + 1] == "org/d:Q4_0"

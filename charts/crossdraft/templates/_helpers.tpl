@@ -217,10 +217,10 @@ spec:
 {{- end }}
 {{- end -}}
 
-{{/* "true" when a model spec is a Hugging Face Hub id, org/name[@revision] (else empty):
+{{/* "true" when a model spec is a Hugging Face Hub id, org/name[:QUANT][@revision][:QUANT] (else empty):
 include "crossdraft.isHubId" .Values.drafter.model. Local HF directories are absolute paths. */}}
 {{- define "crossdraft.isHubId" -}}
-{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[^\\s@]+)?$" (toString .) -}}true{{- end -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(:[A-Za-z0-9][A-Za-z0-9._-]*)?(@[^\\s@:]+)?(:[A-Za-z0-9][A-Za-z0-9._-]*)?$" (toString .) -}}true{{- end -}}
 {{- end -}}
 
 {{/* Claim of the shared Hub cache (hub.cache), or empty: include "crossdraft.hfCacheClaim" $. */}}
@@ -237,7 +237,7 @@ include "crossdraft.isHubId" .Values.drafter.model. Local HF directories are abs
 {{- if include "crossdraft.hfCacheClaim" . -}}/hf-cache{{- else -}}/models/huggingface{{- end -}}
 {{- end -}}
 
-{{/* Env of a model server and of its download init container for Hub ids (revision, token, cache):
+{{/* Env of a model server and of its download init container for Hub ids (revision, GGUF file, token, cache):
 include "crossdraft.hubEnv" (list $ "drafter"). The token only ever comes from the Secret. */}}
 {{- define "crossdraft.hubEnv" -}}
 {{- $root := index . 0 -}}
@@ -254,6 +254,13 @@ include "crossdraft.hubEnv" (list $ "drafter"). The token only ever comes from t
     configMapKeyRef:
       name: {{ include "crossdraft.modelsConfigName" $root }}
       key: {{ $comp }}-revision
+{{- end }}
+{{- if $v.modelFile }}
+- name: CROSSDRAFT_MODEL_FILE
+  valueFrom:
+    configMapKeyRef:
+      name: {{ include "crossdraft.modelsConfigName" $root }}
+      key: {{ $comp }}-model-file
 {{- end }}
 {{- if $v.trustRemoteCode }}
 - name: CROSSDRAFT_TRUST_REMOTE_CODE
