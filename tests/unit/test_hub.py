@@ -707,7 +707,8 @@ def test_gguf_repo_download_fetches_one_gguf(monkeypatch, tmp_path, local_gguf_g
         srv.shutdown()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is gone: the cache answers, the one GGUF needs no tag
     assert M.resolve_model("fake-org/real").gguf_file == "Q4_0/tiny-Q4_0.gguf"
-    with pytest.raises(InvalidArgument, match="no GGUF of the cached snapshot .*'Q8_0'.*Q4_0/tiny-Q4_0.gguf.*HF_HUB_OFFLINE"):
+    with pytest.raises(InvalidArgument,
+                       match="no GGUF of the cached snapshot .*'Q8_0'.*Q4_0/tiny-Q4_0.gguf.*HF_HUB_OFFLINE"):
         M.load_model("fake-org/real:Q8_0")
 
 
