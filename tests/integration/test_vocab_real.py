@@ -99,11 +99,18 @@ def test_sampled_pairs_decode_identically(a_name, b_name, cache_dir):
     assert bad == [], bad[:10]
 
 
-def test_disk_cache_is_fast(cache_dir):
+def test_a_mapping_in_the_disk_cache_is_read_not_rebuilt(cache_dir, monkeypatch):
+    """A gateway restarting on a pair it mapped before reads the mapping from the disk cache: the
+    second build computes nothing (the tokenizers' bytes tables are memoized per object; the
+    mapping, forgotten in memory, is loaded from its file) and gives the same mapping."""
+    from tests.unit.test_vocab import _count_vocab_work
+
     gemma, qwen = tok("gemma3-270m"), tok("qwen2.5-coder-0.5b")
-    V.build_mapping(qwen, gemma, cache_dir=cache_dir)
+    first = V.build_mapping(qwen, gemma, cache_dir=cache_dir)
     V._MEMORY.clear()  # per-tokenizer byte tables stay memoized
-    t0 = time.perf_counter()
+    counts = _count_vocab_work(monkeypatch)
     m = V.build_mapping(qwen, gemma, cache_dir=cache_dir)
-    assert time.perf_counter() - t0 < 0.5
+    assert counts == {"table": 0, "compute": 0, "load": 1, "save": 0}
+    assert m is not first and m.key == first.key
+    assert (m.d2t == first.d2t).all() and (m.t2d == first.t2d).all()
     assert m.intersection_size() > 90_000

@@ -82,48 +82,83 @@ def _run_held(w, model, fns) -> list:
     return calls
 
 
-def test_concurrent_verifications_share_forwards_and_give_the_one_by_one_answers(target, tok_t):
-    prompts = _prompts(tok_t, 8)
-    blocks = [[7 + i, 9, 11 + i][: 1 + i % 3] for i in range(8)]
+# the scheduler's wait for the rows it holds out for, where a test pins it: a liveness bound (the
+# rows of threads released by one barrier arrive within milliseconds), never a batching window
+HOLD_S = 60.0
+
+
+def _hold_for(w, rows: int, monkeypatch) -> None:
+    """Make the worker's scheduler hold each batch's first row until ``rows`` rows are in the batch:
+    it is told that many callers are inside the worker, and its wait for them lasts HOLD_S. Batches
+    then depend on the rows the callers send, not on when their threads run."""
+    monkeypatch.setattr(w.scheduler, "busy", lambda: rows)
+    monkeypatch.setattr(w.scheduler, "_max_wait_s", lambda: HOLD_S)
+
+
+def test_concurrent_verifications_share_forwards_and_give_the_one_by_one_answers(target, tok_t, monkeypatch):
+    """Eight sessions verify two rounds each at once: each round's eight blocks run in ONE forward of
+    eight rows, and every answer is the one a verifier without batching gives."""
+    n = 8
+    prompts = _prompts(tok_t, n)
+    blocks = [[7 + i, 9, 11 + i][: 1 + i % 3] for i in range(n)]
     ref = VerifierWorker(target, WCFG)
     want = []
-    for i, (p, b) in enumerate(zip(prompts, blocks)):
+    for i, (p, b) in enumerate(zip(prompts, blocks, strict=True)):
         ref.sync(f"s{i}", p)
         r1 = ref.verify(f"s{i}", None, b, None, 0, GREEDY, 0)
         r2 = ref.verify(f"s{i}", None, [r1.next_token], None, 1, GREEDY, 0)  # a second round on the cache
         want.append((r1.num_accepted, r1.next_token, r2.num_accepted, r2.next_token))
 
-    w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=200))
+    w = VerifierWorker(target, WCFG, batch=BatchConfig())
+    for i in range(n):  # the prompts' keys and values first, one session at a time: the rounds' rows are short
+        w.sync(f"s{i}", prompts[i], prefill=True)
+    before = (w.scheduler.stats.batches, w.scheduler.stats.rows)
+    _hold_for(w, n, monkeypatch)
     calls, hook = _forward_counter(target.model)
-    got = [None] * 8
+    got, sizes = [None] * n, [None] * n
     try:
         def one(i):
             def fn():
-                w.sync(f"s{i}", prompts[i])
                 r1 = w.verify(f"s{i}", Expect.of(prompts[i]), blocks[i], None, 0, GREEDY, 0)
                 r2 = w.verify(f"s{i}", None, [r1.next_token], None, 1, GREEDY, 0)
                 got[i] = (r1.num_accepted, r1.next_token, r2.num_accepted, r2.next_token)
+                sizes[i] = (r1.batch_size, r2.batch_size)
             return fn
 
-        _run_threads([one(i) for i in range(8)])
+        _run_threads([one(i) for i in range(n)])
     finally:
         hook.remove()
         w.scheduler.close()
     assert got == want
     st = w.scheduler.stats
-    # 16 verifications ran in fewer forwards than 16, and every forward went through the scheduler
-    assert len(calls) == st.batches < 16
-    assert max(shape[0] for shape in calls) > 1  # some forward carried several sessions
-    assert st.rows == 16
+    # two rounds of eight blocks: two forwards of eight rows, each through the scheduler
+    assert [shape[0] for shape in calls] == [n, n]
+    assert (st.batches - before[0], st.rows - before[1]) == (2, 2 * n)
+    assert sizes == [(n, n)] * n  # what each caller was told of its batches
 
 
-def test_a_lone_caller_does_not_wait_for_a_batch(target, tok_t):
+def test_a_lone_caller_does_not_wait_for_a_batch(target, tok_t, monkeypatch):
+    """With one caller inside the worker the scheduler runs its row at once, however long it may
+    wait for company: here it would wait an hour, and the call still returns (a liveness bound far
+    above the milliseconds it takes) in a batch of one. The control: told of a second caller, the
+    same scheduler holds the first row until the second arrives, and both run in one batch."""
     w = VerifierWorker(target, WCFG, batch=BatchConfig(max_wait_ms=1000))
+    monkeypatch.setattr(w.scheduler, "_max_wait_s", lambda: 3600.0)
+    p = _prompts(tok_t, 2)
+    got = {}
     try:
-        w.sync("solo", _prompts(tok_t, 1)[0])
-        r = w.verify("solo", None, [5, 6], None, 0, GREEDY, 0)
-        # with a 1 s max wait, a single busy caller must not wait for company
-        assert r.batch_size == 1 and r.queue_wait_s < 0.5
+        w.sync("solo", p[0])
+        solo = threading.Thread(target=lambda: got.__setitem__("solo", w.verify("solo", None, [5, 6], None, 0,
+                                                                                 GREEDY, 0)), daemon=True)
+        solo.start()
+        solo.join(HOLD_S)
+        assert not solo.is_alive(), "a lone caller waited for a batch"
+        assert got["solo"].batch_size == 1 and w.scheduler.stats.batches == 1
+        w.sync("pair", p[1])
+        monkeypatch.setattr(w.scheduler, "busy", lambda: 2)
+        _run_threads([lambda s=s: got.__setitem__(s, w.verify(s, None, [5], None, 1 if s == "solo" else 0,
+                                                                GREEDY, 0)) for s in ("solo", "pair")])
+        assert got["solo"].batch_size == got["pair"].batch_size == 2 and w.scheduler.stats.batches == 2
     finally:
         w.scheduler.close()
 
@@ -380,18 +415,15 @@ def test_rows_that_do_not_fit_beside_busy_sessions_get_resource_exhausted_then_s
         except ResourceExhausted:
             outcomes[sid] = "exhausted"
 
-    # Both rows must land in ONE batch. The loop waits for more rows only while it knows of callers
-    # inside the worker, and on a loaded machine the second thread may not be inside yet when the
-    # first row is gathered (CI once ran them in two batches: both "ok"). So both threads submit
-    # right after a barrier, and the loop is told two callers are busy: it holds the first row (up
-    # to max_wait_ms) until the second arrives.
-    busy = w.scheduler.busy
-    w.scheduler.busy = lambda: 2
+    # Both rows must land in ONE batch: the scheduler holds the first row until the second is in it
+    # (its wait a liveness bound), whenever the threads run; the retry below runs with the real count
+    busy, max_wait = w.scheduler.busy, w.scheduler._max_wait_s
+    w.scheduler.busy, w.scheduler._max_wait_s = (lambda: 2), (lambda: HOLD_S)
     try:
         try:
             _run_threads([lambda s=s: run(s) for s in ps])
         finally:
-            w.scheduler.busy = busy
+            w.scheduler.busy, w.scheduler._max_wait_s = busy, max_wait
         assert w.scheduler.stats.batches == 1  # one batch held both prefills
         assert sorted(outcomes.values()) == ["exhausted", "ok"]
         assert w.batch_info()["exhausted"] == 1

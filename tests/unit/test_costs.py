@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 
 from crossdraft import costs, wire
 from crossdraft.engine import DraftConfig, Engine
+from crossdraft.policy import DraftPolicy
 from crossdraft.sampling import SamplingParams
+from crossdraft.workers import DrafterWorker, VerifierWorker
 from tests.tiny_models import tiny_lm
 from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
 
@@ -23,15 +26,36 @@ def test_measure_gives_a_non_decreasing_table(pair):
     target, _ = pair
     table = costs.measure(target.model, target.device, 13, reps=1)
     assert len(table) == 13 and all(t > 0 for t in table)
-    assert all(b >= a for a, b in zip(table, table[1:]))
+    assert all(b >= a for a, b in itertools.pairwise(table))
 
 
-def test_the_tables_time_the_large_forwards_a_catch_up_or_a_batch_runs():
-    """Both tables reach 64 tokens, timed there (not extrapolated from 1..11 tokens, where bf16 on a
-    CPU is flat): a drafter's catch-up after skipped rounds and a batch of sessions' blocks are
-    priced from what such forwards measured."""
-    assert costs.DRAFTER_MAX >= 64 and costs.VERIFIER_MAX >= 64
-    assert {16, 32, costs.DRAFTER_MAX, costs.VERIFIER_MAX} <= set(costs.SIZES)
+@pytest.mark.parametrize("kind", ["verifier", "drafter"])
+def test_the_tables_time_the_large_forwards_a_catch_up_or_a_batch_runs(pair, monkeypatch, kind):
+    """A model server's table ends on a forward it timed (not extrapolated from small ones, where
+    bf16 on a CPU is flat), and between two timed sizes it interpolates over at most a doubling of
+    tokens. The drafter's timed forwards reach a catch-up after the longest run of skipped rounds
+    between two probes (one token a round at least), so that catch-up is priced from what such a
+    forward measured."""
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    target, drafter = pair
+    worker = VerifierWorker(target) if kind == "verifier" else DrafterWorker(drafter)
+    model = worker.loaded.model
+    fed = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kw: fed.append(kw["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        table = worker.timings()
+    finally:
+        hook.remove()
+    context, fed = fed[0], fed[1:]  # (the context is cached once, before the timed forwards)
+    assert context == costs.CONTEXT
+    timed = sorted(set(fed))
+    assert table and timed[-1] == len(table)
+    assert timed[0] == 1 and all(b <= 2 * a for a, b in itertools.pairwise(timed)), timed
+    # every timed size: a warm-up and then as many timed forwards as every other size
+    assert len({fed.count(m) for m in timed}) == 1 and fed.count(timed[0]) >= 2
+    if kind == "drafter":
+        assert timed[-1] >= DraftPolicy.max_probe_every
 
 
 def test_table_is_cached_on_disk_per_model_file(pair, tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ matches would produce them.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -37,7 +38,7 @@ def test_zero_acceptance_stops_within_a_few_rounds_and_probes_rarely():
     drafted = sum(ks)
     assert drafted <= sum(ks[:first_skip]) + 20  # probes of 2 tokens, backing off to every 48 rounds
     probes = [i for i, k in enumerate(ks) if i > first_skip and k]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps == sorted(gaps) and gaps[-1] == DraftPolicy.max_probe_every
 
 
@@ -159,22 +160,36 @@ def test_pays_tells_whether_a_new_request_should_start_drafting():
 
 
 def test_confident_mode_runs_blocks_to_the_bound_and_lets_the_drafter_end_them():
-    pol = DraftPolicy(DraftConfig(max_draft_tokens=12), 0.2, verify_costs=FLAT_TABLE, measured=True)
+    cfg = DraftConfig(max_draft_tokens=12)
+    pol = DraftPolicy(cfg, 0.2, verify_costs=FLAT_TABLE, measured=True)
     pol.confident = True
-    assert _run(pol, 6, lambda k: k)[1:] == [12] * 5
-    # nothing accepted: drafting stops within a few rounds, and each probe is a full (confident) block
-    pol = DraftPolicy(DraftConfig(max_draft_tokens=12), 0.2, verify_costs=FLAT_TABLE, measured=True)
+    rounds = 6
+    # (the first block is _run's: the request's configured size)
+    assert _run(pol, rounds, lambda k: k)[1:] == [cfg.max_draft_tokens] * (rounds - 1)
+    # nothing accepted: drafting stops before a probe would have re-measured the text, and then only
+    # probes draft, each a full (confident) block, no more often than the fastest probe pace
+    pol = DraftPolicy(cfg, 0.2, verify_costs=FLAT_TABLE, measured=True)
     pol.confident = True
-    ks = _run(pol, 40, lambda k: 0)
-    assert all(k == 0 for k in ks[2:7]) and ks.count(0) >= 34 and all(k in (0, 4, 12) for k in ks), ks
+    rounds = 40
+    ks = _run(pol, rounds, lambda k: 0)
+    first_skip = ks.index(0)
+    probes = [k for k in ks[first_skip:] if k]
+    assert first_skip < DraftPolicy.probe_every, ks
+    assert all(k == cfg.max_draft_tokens for k in ks[1:first_skip] + probes), ks
+    assert len(probes) <= (rounds - first_skip) // DraftPolicy.probe_every, ks
 
 
 def test_the_cumulative_threshold_follows_the_drafters_cost():
-    taus = []
-    for c in (0.05, 0.2, 0.45, 0.9):
-        pol = DraftPolicy(DraftConfig(), c, verify_costs=FLAT_TABLE, measured=True)
-        taus.append(pol.cumulative_stop())
-    assert taus == sorted(taus) and taus[0] < 0.1 and taus[-1] == 0.9  # a costly drafter must be surer; capped
+    """A costlier drafter must be surer of a block to draft on: the threshold grows with the cost
+    (strictly, until its cap) and stays a probability below 1, so a drafter sure of its tokens
+    keeps drafting however dear its steps; past some cost it grows no more."""
+    costs = (0.01, 0.05, 0.2, 0.45, 0.9, 2.0, 5.0)
+    taus = [DraftPolicy(DraftConfig(), c, verify_costs=FLAT_TABLE, measured=True).cumulative_stop() for c in costs]
+    assert all(0.0 < t < 1.0 for t in taus), taus
+    assert all(b >= a for a, b in itertools.pairwise(taus)), taus
+    below_cap = [t for t in taus if t < max(taus)]
+    assert len(below_cap) >= 3 and all(b > a for a, b in itertools.pairwise(below_cap)), taus
+    assert taus[-2] == taus[-1], taus  # capped
     pol = DraftPolicy(DraftConfig(), 0.45, verify_costs=FLAT_TABLE, measured=True)
     slow = pol.cumulative_stop()
     pol.observe_time(4, 4 * 0.45 * 2.0 * 0.1, 5, 0.1, 0.1)  # the drafter ran twice as slow as its table
@@ -196,7 +211,7 @@ def test_could_pay_rules_out_a_drafter_as_costly_as_its_target():
     # its probes slow down to the slowest pace even when they are wholly accepted
     ks = _run(pol, 200, lambda k: k)
     probes = [i for i, k in enumerate(ks) if k > 0]
-    assert len(probes) <= 8 and all(b - a >= 24 for a, b in zip(probes[3:], probes[4:])), probes
+    assert len(probes) <= 8 and all(b - a >= 24 for a, b in itertools.pairwise(probes[3:])), probes
 
 
 def test_text_drafting_prices_the_drafter_steps_each_target_token_costs():
@@ -211,10 +226,21 @@ def test_text_drafting_prices_the_drafter_steps_each_target_token_costs():
     assert 2.5 < pol.steps_per_token() <= 3.0
     assert pol.rate(3) < rate and pol.cumulative_stop() > tau
     assert not pol.could_pay()  # 0.9 steps of the target per drafted token: nothing could pay
+    learnt = pol.steps_per_token()
     pol.observe_steps(0, 0)  # no block: nothing learnt
-    for _ in range(40):
-        pol.observe_steps(1, 10)  # a drafter whose tokens are much longer than the target's
-    assert pol.steps_per_token() == 0.25  # bounded
+    assert pol.steps_per_token() == learnt
+    # bounded both ways: a drafter whose tokens are much longer than the target's is never priced as
+    # (nearly) free, nor one whose tokens are much shorter as endless; each bound holds however long
+    # the evidence goes on
+    for steps, tokens in ((1, 100), (100, 1)):
+        for _ in range(40):
+            pol.observe_steps(steps, tokens)
+        bound = pol.steps_per_token()
+        for _ in range(40):
+            pol.observe_steps(steps, tokens)
+        assert pol.steps_per_token() == bound
+        assert (bound > 10 * steps / tokens) if steps < tokens else (bound < steps / tokens / 10)
+        assert pol.rate(3) > 0 and 0 < pol.cumulative_stop() < 1
 
 
 def test_a_costlier_verification_of_longer_blocks_asks_for_surer_blocks():
@@ -234,7 +260,7 @@ def test_a_drafter_that_could_not_pay_probes_at_the_slowest_pace_at_once():
     probes = [i for i, k in enumerate(ks) if k > 0]
     # the first block, then the longest interval at once (no acceptance could win a probe back)
     assert pol.saving() == 0 and pol.probe_pace() == DraftPolicy.max_probe_every
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes[0] == 0 and gaps and all(g == DraftPolicy.max_probe_every for g in gaps), probes
 
 
@@ -302,7 +328,7 @@ def test_a_pair_near_its_break_even_probes_only_where_a_probe_could_pay_back():
     assert near.probe_pace() == math.ceil(need) > DraftPolicy.probe_every
     ks = _run_left(near, 200, lambda k: 0)
     probes = [i for i, k in enumerate(ks) if k > 0]
-    assert probes[0] == 0 and all(b - a >= need for a, b in zip(probes, probes[1:]))
+    assert probes[0] == 0 and all(b - a >= need for a, b in itertools.pairwise(probes))
     assert probes[-1] <= 200 - need, probes  # none where the rest could not pay it back
     # the same pair without the request's length probes right to the end
     free = _run(DraftPolicy(DraftConfig(), 0.72, verify_costs=FLAT_TABLE, measured=True), 200, lambda k: 0)
@@ -350,9 +376,10 @@ def test_a_confident_probe_is_priced_by_the_block_it_drafts():
         return p
 
     p = fp32()
-    c, v = p.c, [x / FP32_TARGET[0] for x in FP32_TARGET]
-    assert p.probe_len() == 3.0
-    assert p.probe_cost() == pytest.approx(3 * c + v[3] - 1, rel=1e-6) and p.probe_cost() > 2.5
+    # before any probe: a prior block of more than one token, within the bound; its price holds the
+    # verification of that block beyond a target step and the drafter's steps on top
+    assert 1.0 < p.probe_len() <= p.hi
+    assert p.probe_cost() > p.vcost(p.probe_len() + 1) - 1.0 and p.probe_cost() > 2.5
     assert p.could_pay() and p.saving() < 0.11
     assert not p.worth_probing(50) and p.probe_pace() == DraftPolicy.max_probe_every
     ks = _run_left(p, 64, lambda k: 0)
@@ -360,18 +387,26 @@ def test_a_confident_probe_is_priced_by_the_block_it_drafts():
     # probes the drafter ends after one token: the price falls toward one token's block
     q = fp32()
     q.first = False
+    lens = [q.probe_len()]
     for _ in range(6):
         q.probing = True
         q.observe(1, 0)
-    assert 1.0 < q.probe_len() < 1.2 and q.probe_cost() < 0.6 * p.probe_cost()
-    # blocks after the first that are not probes do not move it (drafting that pays runs long blocks)
+        lens.append(q.probe_len())
+    assert all(1.0 <= b < a for a, b in itertools.pairwise(lens)), lens
+    assert q.probe_cost() < p.probe_cost()
+    # a failed first block of ten tokens raises the price; blocks after the first that are not
+    # probes do not move it (drafting that pays runs long blocks), nor does a probe accepted in full
+    # (it lost nothing)
+    first = fp32()
+    first.observe(10, 4)
     r = fp32()
-    r.observe(10, 4)  # (a first block that failed counts)
+    r.observe(10, 4)
     r.probing = False
     r.observe(10, 3)
     r.probing = True
-    r.observe(10, 10)  # (a probe accepted in full lost nothing)
-    assert r.probe_len() == pytest.approx((0.6 * 3 + 10) / 1.6)
+    r.observe(10, 10)
+    assert p.probe_len() < first.probe_len() < 10 and p.probe_cost() < first.probe_cost()
+    assert (r.probe_len(), r.probe_cost()) == (first.probe_len(), first.probe_cost())
     # a GPU-like target (flat in the block) with a cheap drafter: probes stay cheap
     g = DraftPolicy(DraftConfig(), 0.14, verify_costs=FLAT_TABLE, measured=True)
     g.confident = True
@@ -394,7 +429,7 @@ def test_a_later_probe_prices_only_what_the_drafter_missed_since_the_last_one():
     p.probe_odds = lambda: 3.0  # (held: this test is about the catch-up's price, not the probes' record)
     ks = _run_left(p, 400, lambda k: 0)
     probes = [i for i, k in enumerate(ks) if k > 0]
-    assert all(b - a <= DraftPolicy.max_probe_every for a, b in zip(probes, probes[1:])), probes
+    assert all(b - a <= DraftPolicy.max_probe_every for a, b in itertools.pairwise(probes)), probes
     last_worth = max(i for i in range(400) if p.worth_probing(400 - i - 1, DraftPolicy.max_probe_every))
     assert probes[-1] > last_worth - DraftPolicy.max_probe_every, (probes, last_worth)
     # (pricing every skipped round, the probes stopped ~100 rounds before: 248 of 400)
@@ -413,8 +448,6 @@ def test_a_catch_up_is_priced_by_the_drafter_tokens_the_decoder_says_it_feeds():
     Chinese text is 2-3 SmolLM2 tokens); given it, next_k prices a probe's catch-up with it rather
     than one token per skipped round -- and a table that reaches 64 tokens prices a 150-token
     catch-up at ~3.7 steps (128 tokens measured 3.3), where the old 17-token table (flat at its end) said ~1.2x."""
-    assert len(BF16_DRAFTER) == 64
-
     def near():
         p = DraftPolicy(DraftConfig(), 0.67, verify_costs=FLAT_TABLE, drafter_costs=BF16_DRAFTER, measured=True)
         p.probe_odds = lambda: 2.0
@@ -424,6 +457,10 @@ def test_a_catch_up_is_priced_by_the_drafter_tokens_the_decoder_says_it_feeds():
     assert 3.0 < p.dcost(150) < 4.2 and p.dcost(17) < 1.5
     old = DraftPolicy(DraftConfig(), 0.67, verify_costs=FLAT_TABLE, drafter_costs=BF16_DRAFTER[:16], measured=True)
     assert old.dcost(150) < 1.5
+    # where both tables hold measurements they agree; past the short one's end only the long one
+    # sees the forward grow
+    assert [p.dcost(n) for n in range(1, 17)] == [old.dcost(n) for n in range(1, 17)]
+    assert p.dcost(150) > old.dcost(150)
     assert p.probe_cost(150) > p.probe_cost(48) + 1.0
     # rounds alone (no feed): a probe comes at its pace; told the drafter would be fed 3 tokens a
     # round, the same request sends fewer probes, none where the catch-up could not pay back
@@ -593,14 +630,81 @@ def test_a_lone_doubted_token_accepted_is_not_a_hit_nor_a_reason_to_probe_faster
 
     lone, two = probing(), probing()
     assert lone.could_pay()
+    before = lone.interval
     lone.observe(1, 1)
     two.observe(2, 2)
-    assert lone.interval == 32 and two.interval == 16
-    h0 = lone.hit_s
-    lone.next_k()
-    two.next_k()
-    assert lone.hit_s < two.hit_s and lone.hit_s == pytest.approx(h0 * DraftPolicy.hit_decay)
+    faster = two.interval
+    assert lone.interval == before and DraftPolicy.probe_every <= faster < before
+    miss = probing()
+    miss.observe(1, 0)
+    for pol in (lone, two, miss):
+        pol.next_k()  # (scores the probe just observed)
+    assert lone.hit_s == miss.hit_s < two.hit_s  # the lone token scores as a missed probe does
     # with blocks bounded at one token, one token is a whole block
     one = probing(k_bound=1)
     one.observe(1, 1)
-    assert one.interval == 16
+    assert one.interval == faster
+
+
+# ---- properties of the choice that hold whatever the tuning ----------------------------------------
+
+# (drafter step cost, verifier table, drafter table, measured): flat and steep tables, both cost models
+PAIRS = [
+    (0.14, FLAT_TABLE, None, True),
+    (0.14, CPU_TABLE, None, True),
+    (0.3, GEMMA_CPU, SMOL_CPU, True),
+    (0.2, QWEN_BF16, QWEN05_INT8, True),
+    (0.15, GPU_V, GPU_D, True),
+    (0.2, None, None, False),
+    (0.6, None, None, False),
+]
+ALPHAS = [i / 50 for i in range(1, 50)]
+
+
+def _chosen(pair, alpha: float, cfg: DraftConfig | None = None) -> int:
+    """The block size a session picks at a measured acceptance of `alpha`."""
+    c, v, d, measured = pair
+    p = DraftPolicy(cfg or DraftConfig(), c, verify_costs=v, drafter_costs=d, measured=measured)
+    p.succ, p.trials = alpha, 1.0
+    return p.next_k()
+
+
+def test_a_block_yields_between_one_token_and_all_its_drafts_plus_one():
+    """E(k): the target's own token at least, every draft and the target's next at most; more
+    drafts or a higher acceptance never yield less."""
+    for a in ALPHAS:
+        e = [DraftPolicy._tokens(a, k) for k in range(0, 12)]
+        assert all(1.0 <= x <= k + 1 + 1e-12 for k, x in enumerate(e)), (a, e)
+        assert all(y >= x for x, y in itertools.pairwise(e))
+    for k in range(12):
+        e = [DraftPolicy._tokens(a, k) for a in ALPHAS]
+        assert all(y >= x for x, y in itertools.pairwise(e))
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"c{p[0]}-{'measured' if p[3] else 'static'}-{len(p[1] or [])}")
+@pytest.mark.parametrize("bounds", [(1, 10), (2, 6)])
+def test_the_chosen_block_never_shrinks_as_acceptance_rises_and_stays_within_its_bounds(pair, bounds):
+    cfg = DraftConfig(min_draft_tokens=bounds[0], max_draft_tokens=bounds[1])
+    ks = [_chosen(pair, a, cfg) for a in ALPHAS]
+    assert all(y >= x for x, y in itertools.pairwise(ks)), ks
+    assert all(k == 0 or cfg.min_draft_tokens <= k <= cfg.max_draft_tokens for k in ks), ks
+    assert ks[-1] > 0  # (every pair here pays at a high enough acceptance: the sweep is not all zeros)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"c{p[0]}-{'measured' if p[3] else 'static'}-{len(p[1] or [])}")
+@pytest.mark.parametrize("c", [1.0, 2.5])
+def test_a_drafter_step_as_dear_as_a_target_step_never_drafts(pair, c):
+    """A block of k drafts yields at most k + 1 tokens and costs k drafter steps plus a verification
+    of at least one target step: at a drafter step of one target step or more no acceptance
+    repays it, so the policy drafts nothing (and knows that no acceptance could pay)."""
+    _, v, d, measured = pair
+    dear = (c, v, d, measured)
+    assert all(_chosen(dear, a) == 0 for a in ALPHAS)
+    assert not DraftPolicy(DraftConfig(), c, verify_costs=v, drafter_costs=d, measured=measured).could_pay()
+
+
+def test_a_fixed_block_size_is_kept_whatever_the_acceptance_or_costs():
+    for pair in PAIRS:
+        for a in (ALPHAS[0], ALPHAS[-1]):
+            assert _chosen(pair, a, DraftConfig(adaptive=False, num_draft_tokens=7)) == 7
+            assert _chosen((5.0, *pair[1:]), a, DraftConfig(adaptive=False, num_draft_tokens=7)) == 7

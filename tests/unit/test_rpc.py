@@ -125,7 +125,9 @@ def test_wait_healthy_without_server_times_out():
     try:
         start = time.monotonic()
         assert not rpc.wait_healthy(f"127.0.0.1:{port}", 0.3)
-        assert time.monotonic() - start < 3
+        # a liveness bound, not a speed check: the wait gives up (about 0.3 s) rather than hang;
+        # 5 s is over 10x that
+        assert time.monotonic() - start < 5
     finally:
         server.stop(grace=None)
 

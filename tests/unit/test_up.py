@@ -265,7 +265,9 @@ def test_stop_kills_a_child_that_ignores_sigterm(monkeypatch, scripts, tmp_path)
     pid = stack.children["gateway"].pid
     t0 = time.monotonic()
     stack.stop()
-    assert time.monotonic() - t0 < 10
+    # a liveness bound, not a speed check: the stop returns (SIGKILL after the 1 s stop timeout,
+    # about 1 s in all) instead of waiting on a child that ignores SIGTERM; 15 s is over 10x that
+    assert time.monotonic() - t0 < 15
     assert not alive(pid)
     assert stack.children["gateway"].returncode == -signal.SIGKILL
 

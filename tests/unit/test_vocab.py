@@ -481,14 +481,37 @@ def test_encode_bytes_prefers_tokenizer_segmentation():
     assert V.encode_bytes(bl, b" return") == bl(" return", add_special_tokens=False)["input_ids"]
 
 
-def test_build_mapping_is_fast_enough_for_reuse(cache_dir):
-    import time
+def _count_vocab_work(monkeypatch) -> dict[str, int]:
+    """Count the calls of build_mapping's costly steps: a tokenizer's bytes table, the mapping's
+    computation, and the disk cache's read and write."""
+    counts = {"table": 0, "compute": 0, "load": 0, "save": 0}
+    for name, fn in (("table", "_build_table"), ("compute", "_compute"), ("load", "_load_disk"),
+                     ("save", "_save_disk")):
+        real = getattr(V, fn)
 
-    V.build_mapping(BL(), SP(), cache_dir=cache_dir)
-    t0 = time.perf_counter()
+        def counted(*a, _name=name, _real=real, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(V, fn, counted)
+    return counts
+
+
+def test_a_mapping_built_again_is_a_cache_hit_that_redoes_no_work(cache_dir, monkeypatch):
+    """build_mapping runs every time a gateway pairs two models: the mapping is computed once, and
+    building it again does none of that work -- with the same tokenizer objects not even their
+    bytes tables; with new objects of the same tokenizers only the tables (kept per object), the
+    mapping itself coming from memory."""
+    counts = _count_vocab_work(monkeypatch)
+    bl, sp = BL(), SP()
+    first = V.build_mapping(bl, sp, cache_dir=cache_dir)
+    assert counts == {"table": 2, "compute": 1, "load": 1, "save": 1}  # (the disk had nothing yet)
     for _ in range(20):
-        V.build_mapping(BL(), SP(), cache_dir=cache_dir)
-    assert (time.perf_counter() - t0) / 20 < 0.05
+        assert V.build_mapping(bl, sp, cache_dir=cache_dir) is first
+    assert counts == {"table": 2, "compute": 1, "load": 1, "save": 1}
+    for _ in range(3):  # equal tokenizers, other objects (the fixtures are cached: copies)
+        assert V.build_mapping(copy.deepcopy(bl), copy.deepcopy(sp), cache_dir=cache_dir) is first
+    assert counts == {"table": 2 + 2 * 3, "compute": 1, "load": 1, "save": 1}
     assert os.path.isdir(cache_dir)
 
 
