@@ -4,6 +4,7 @@ the round loop over the remote drafter/verifier, metrics, and one span per verif
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import random
@@ -642,6 +643,8 @@ class Job:
         self._placed = False
         self.admitted = False  # holds an admission slot (given back by close())
         self._cancel = threading.Event()
+        self._placement: dict = {}
+        self._lease_renewed = time.monotonic()
         self.sid = None
         pair = gw.pair
         merged = dict(session.options) if session else {}
@@ -743,7 +746,11 @@ class Job:
     def cancel(self) -> None:
         """The client went away (disconnect, cancelled call, deadline): stop before the next round.
         Safe from any thread; the round in flight finishes, then the request ends, counted as
-        ``cancelled``, and a one-off request's sessions are dropped on both servers at once."""
+        ``cancelled``, and a one-off request's sessions are dropped on both servers at once. A
+        session's cancelled turn is dropped whole, like a failed one: the stored session stays as
+        it was before the turn (what was streamed of it is not part of the session), so the same
+        request sent again continues from the same state and, greedy or seeded, gives the same
+        text. A turn counts once the gateway commits it, just before its final ``done`` event."""
         self._cancel.set()
 
     @property
@@ -751,18 +758,20 @@ class Job:
         return self._cancel.is_set()
 
     def events(self, ctx=None):
-        """Generator of event dicts; runs the rounds. `ctx`: OTel context to run under (REST)."""
+        """Generator of event dicts; runs the rounds. `ctx`: OTel context to run under (REST).
+        A session's turn is stored once, when it completes (:meth:`_commit`); an error or a
+        cancellation before that leaves the stored session untouched."""
         gw = self.gw
         gw.metrics.active.inc()
         status = "error"
         try:
             it = self.run
-            if self.session is not None:  # where this request's caches live
-                s = self.session
-                s.verifier_address = self.v_addr
-                s.verifier_instance = gw.placement.client("verifier", self.v_addr).instance_id
-                s.drafter_address = self.d_addr or ""
-                s.drafter_instance = gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""
+            if self.session is not None:  # where this request's caches live (stored when the turn commits)
+                self._placement = {
+                    "verifier_address": self.v_addr,
+                    "verifier_instance": gw.placement.client("verifier", self.v_addr).instance_id,
+                    "drafter_address": self.d_addr or "",
+                    "drafter_instance": gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""}
             while True:
                 if self._cancel.is_set():
                     status = "cancelled"
@@ -777,12 +786,7 @@ class Job:
                 if ev is None:
                     break
                 if self.session is not None:
-                    s = self.session
-                    s.target_ids, s.round_index = ev.target_ids, ev.round_index + 1
-                    if ev.drafter_ids is not None:
-                        s.drafter_ids = ev.drafter_ids
-                    if not ev.done:
-                        gw.store.save(s)  # one SET per round: a crash leaves the last whole round
+                    self._keep_lease()
                 if ev.text or ev.emitted:
                     yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted), "logprobs": ev.logprobs}
             res = self.run.result
@@ -794,16 +798,7 @@ class Job:
             gw.metrics.tokens.inc(len(res.token_ids))
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             if self.session is not None:
-                s = self.session
-                s.kind = self.kind
-                s.turns += 1
-                if self.kind == "chat":
-                    s.messages = self.messages + [{"role": "assistant", "content": res.text}]
-                else:
-                    # the session's text spells its tokens: a stop string stays in it (not in the reply)
-                    s.text += (self.prompt_text or "") + res.text + res.stop_tail
-                s.stats = add_stats(s.stats, st)
-                gw.store.save(s)
+                self._commit(res, st)
             status = "ok"
             done = {"type": "done", "session_id": self.session.session_id if self.session else "",
                     "finish_reason": res.stats.finish_reason, "text": res.text,
@@ -817,6 +812,38 @@ class Job:
             if status == "error" and self._cancel.is_set():
                 status = "cancelled"  # the consumer stopped reading us because the client went away
             self._finish(status)
+
+    def _keep_lease(self) -> None:
+        """Renew the session's lease a quarter of its life after the last renewal: a turn longer
+        than the lease keeps it, so that its commit finds it still its own."""
+        now = time.monotonic()
+        if now - self._lease_renewed >= self.gw.store.lease_ms / 4000.0:
+            self._lease_renewed = now
+            self.gw.store.renew(self.session, self.lease)
+
+    def _commit(self, res, st: dict) -> None:
+        """Store the completed turn: the session's ids on both sides, round counter, turns, text or
+        messages, totals and placement change together, in one write (RedisSessionStore.commit).
+        Nothing is written before this: a turn that fails or is cancelled part-way leaves the
+        stored session as it was before the turn, and the model servers' caches, which may hold
+        the partial turn, are realigned with the stored ids by the next turn's sync (each keeps
+        the longest common prefix; the reply's reused_target_tokens / reused_drafter_tokens count it)."""
+        new = copy.copy(self.session)  # (the pre-turn session stays as it was read)
+        new.__dict__.update(self._placement)
+        new.target_ids = list(self.run.target_ids)
+        if self.run.drafter_ids is not None:
+            new.drafter_ids = list(self.run.drafter_ids)
+        new.round_index = self.run.next_round
+        new.kind = self.kind
+        new.turns += 1
+        if self.kind == "chat":
+            new.messages = self.messages + [{"role": "assistant", "content": res.text}]
+        else:
+            # the session's text spells its tokens: a stop string stays in it (not in the reply)
+            new.text += (self.prompt_text or "") + res.text + res.stop_tail
+        new.stats = add_stats(new.stats, st)
+        self.gw.store.commit(new, self.lease)
+        self.session = new
 
     def _finish(self, status: str) -> None:
         if self._finished:

@@ -1,6 +1,10 @@
 """Sessions in Redis: one JSON document per session (written whole, so every update is atomic)
 plus a short lease that keeps two requests from running one session at the same time.
 
+A turn changes the document once, when it completes (:meth:`RedisSessionStore.commit`: one SET of
+the whole document, made only while the turn's request still holds the lease). A turn that fails
+or is cancelled part-way writes nothing, so the session stays exactly as it was before that turn.
+
 Redis errors become :class:`Unavailable` (HTTP 503 / gRPC UNAVAILABLE); nothing is half-written
 because each write is a single SET of the whole document.
 """
@@ -20,6 +24,16 @@ import redis
 from crossdraft.errors import FailedPrecondition, NotFound, Unavailable, check_session_id
 
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+_RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
+          "else return 0 end")
+# KEYS: document, lease; ARGV: document, lease token, TTL in ms. 0: the session is gone (deleted or
+# expired: it stays so); -1: the lease is no longer this request's; 1: written
+_COMMIT = """
+if redis.call('exists', KEYS[1]) == 0 then return 0 end
+if redis.call('get', KEYS[2]) ~= ARGV[2] then return -1 end
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
 
 
 @dataclass
@@ -175,6 +189,29 @@ class RedisSessionStore:
         s.updated_unix_s = time.time()
         key = self._doc_key(s)
         return bool(self._do(lambda: self.r.set(key, s.to_json(), px=self.ttl_ms, xx=True)))
+
+    def commit(self, s: Session, lease: str) -> bool:
+        """Write a completed turn: the whole session in one SET, stamping updated_unix_s and
+        restarting its TTL, only while ``lease`` (the token :meth:`acquire` gave this request) still
+        holds the session's lease. Whether it was written: False when the session was deleted (or
+        expired) while the turn ran -- it stays deleted. FailedPrecondition, with nothing written,
+        when the lease expired and may belong to another request now: that request's turn is not
+        overwritten by one that started from an older state."""
+        s.updated_unix_s = time.time()
+        key = self._doc_key(s)
+        r = self._do(lambda: self.r.eval(_COMMIT, 2, key, f"{key}:lease", s.to_json(), lease, self.ttl_ms))
+        if int(r) < 0:
+            raise FailedPrecondition(f"session_id: session {s.session_id!r} was not updated: this request's lease "
+                                     "on it expired before the turn completed (retry the turn)")
+        return bool(r)
+
+    def renew(self, s: Session, lease: str) -> bool:
+        """Restart the lease's expiry (lease_s) if ``lease`` still holds it. Whether it does;
+        Redis errors count as not renewed (the turn's commit reports them)."""
+        try:
+            return bool(self.r.eval(_RENEW, 1, f"{self._doc_key(s)}:lease", lease, self.lease_ms))
+        except redis.RedisError:
+            return False
 
     def delete(self, s: Session) -> bool:
         """Delete session `s` (as :meth:`get` returned it); whether it still existed."""

@@ -4,6 +4,10 @@ With keys on, two keys may each hold a session called "chat": their documents, l
 model-server session ids never meet, and neither learns that the other uses the id. Sessions
 written before the namespaces (at the bare key, owner inside) are still found by their owner,
 saved back where they are and deleted there.
+
+A turn is stored by one commit, made only while its request still holds the session's lease:
+a request whose lease expired (and may belong to another request now) writes nothing, and a
+session deleted while its turn ran stays deleted.
 """
 
 from __future__ import annotations
@@ -87,3 +91,64 @@ def test_a_session_written_before_namespaces_is_found_saved_and_deleted_in_place
     assert store.delete(store.get("legacy", A))
     with pytest.raises(NotFound):
         store.get("legacy", A)
+
+
+def _doc(store, s) -> bytes:
+    return store.r.get(store._doc_key(s))
+
+
+def test_commit_writes_the_turn_only_while_the_request_holds_the_lease(store):
+    s = store.create({"seed": 1}, "turns")
+    lease = store.acquire(s)
+    s.text, s.turns, s.target_ids, s.round_index = "one", 1, [5, 6, 7], 3
+    assert store.commit(s, lease)
+    got = store.get("turns")
+    assert (got.text, got.turns, got.target_ids, got.round_index) == ("one", 1, [5, 6, 7], 3)
+    # the lease expires and another request takes it: the first request's turn, which started from
+    # an older state, is refused and writes nothing
+    store.r.delete(f"{store._doc_key(s)}:lease")
+    other = store.acquire(got)
+    before = _doc(store, s)
+    s.text, s.turns = "stale", 2
+    with pytest.raises(FailedPrecondition, match="lease"):
+        store.commit(s, lease)
+    assert _doc(store, s) == before
+    # a lease that is simply gone (expired, nobody else) is refused too
+    store.release(got, other)
+    with pytest.raises(FailedPrecondition, match="lease"):
+        store.commit(s, lease)
+    assert _doc(store, s) == before
+    # a session deleted while its turn ran stays deleted
+    lease = store.acquire(got)
+    assert store.delete(got)
+    assert not store.commit(got, lease)
+    assert not store.r.exists(store._doc_key(got))
+    with pytest.raises(NotFound):
+        store.get("turns")
+    store.release(got, lease)
+
+
+def test_commit_keeps_the_documents_place_and_owner(store):
+    s = store.create({}, "turns-owned", owner=A)
+    lease = store.acquire(s)
+    s.text = "x"
+    assert store.commit(s, lease)
+    assert store.get("turns-owned", A).text == "x"
+    with pytest.raises(NotFound):
+        store.get("turns-owned", B)
+    store.release(s, lease)
+
+
+def test_renew_restarts_the_lease_of_its_holder_only(store):
+    s = store.create({}, "renewed")
+    key = f"{store._doc_key(s)}:lease"
+    lease = store.acquire(s)
+    store.r.pexpire(key, 5_000)
+    assert store.renew(s, lease)
+    assert store.r.pttl(key) > 5_000  # back to lease_s (600 s)
+    store.r.pexpire(key, 5_000)
+    assert not store.renew(s, "not-the-token")
+    assert store.r.pttl(key) <= 5_000
+    store.release(s, lease)
+    assert not store.renew(s, lease)  # released: nothing to renew
+    assert not store.r.exists(key)
