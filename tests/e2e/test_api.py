@@ -448,16 +448,6 @@ def test_sigterm_drains_the_gateway(stack, tmp_path):
         g.stop()
 
 
-def test_drain_flag_is_checked():
-    from crossdraft.errors import InvalidArgument
-    from gateway.server import build_parser, config_from_args
-
-    a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x", "--drain-timeout-s", "-1"])
-    with pytest.raises(InvalidArgument) as e:
-        config_from_args(a)
-    assert e.value.field == "drain_timeout_s"
-
-
 def test_echo_puts_the_prompt_before_the_completion(stack, ref):
     text = ref["choices"][0]["text"]
     body = {"prompt": PROMPT, "max_tokens": 40, "echo": True}

@@ -128,6 +128,7 @@ _GATEWAY_FLAGS = [
     ("--max-queued-requests", "-1", "must be >= 0"),
     ("--queue-timeout-s", "-0.5", "must be >= 0"),
     ("--stale-pairing-restart-s", "-1", "must be >= 0"),
+    ("--drain-timeout-s", "-1", "must be >= 0"),
 ]
 
 
