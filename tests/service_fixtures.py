@@ -41,7 +41,10 @@ def free_port() -> int:
 
 
 class Proc:
-    """A service process with its log; stop() = SIGTERM then SIGKILL; kill() = SIGKILL at once."""
+    """A service process with its log; stop() = SIGTERM then SIGKILL; kill() = SIGKILL at once.
+
+    Its environment is this process's (so $CROSSDRAFT_HOME is the test session's temporary one,
+    tests/conftest.py) plus ``env``; start() after a stop() or kill() starts it again with ``self.env``."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
         self.name, self.args = name, args
@@ -108,10 +111,11 @@ def wait_http_ready(url: str, proc: Proc, timeout: float = 120) -> None:
 
 
 def model_server(kind: str, model: str, log_dir: Path, port: int | None = None, dtype: str = "float32",
-                 extra: list[str] | None = None) -> tuple[Proc, str]:
+                 extra: list[str] | None = None, env: dict | None = None) -> tuple[Proc, str]:
+    """A drafter or verifier process; ``env`` adds to the inherited environment (fault-injection knobs)."""
     port = port or free_port()
     p = Proc(f"{kind}-{port}", [kind, "--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-                                *(extra or [])], log_dir).start()
+                                *(extra or [])], log_dir, env=env).start()
     return p, f"127.0.0.1:{port}"
 
 

@@ -1,7 +1,14 @@
 """A real stack for service tests: a Redis server, a verifier, a drafter and two gateway
 instances, each its own process on 127.0.0.1 (tiny random-init models saved as real HF
 directories, so that processes start in seconds), plus the in-process engine on the same models
-as the reference."""
+as the reference.
+
+`stack` and `engine` are package-scoped: every e2e file shares one of each, started when the
+first test asks for it and stopped after the last e2e test. The tests that use `stack` leave it
+as they found it: they start their own extra gateways (and stop them) for other flags, and the
+tests that kill, restart or reconfigure processes run on stacks of their own (test_faults.py,
+test_failed_turn.py). Requests read counters as differences (before / after), and sessions carry
+their own ids."""
 
 from __future__ import annotations
 
@@ -51,18 +58,21 @@ class Stack:
     log_dir: object
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def stack(tiny_dirs, tmp_path_factory):
     t_dir, d_dir = tiny_dirs
     logs = tmp_path_factory.mktemp("logs")
     redis = RedisServer().start()
     procs = []
     try:
-        v, vaddr = model_server("verifier", str(t_dir), logs, extra=["--max-sessions", "8"])
+        # KV caches for more sessions than all e2e files leave open together: past it the least
+        # recently used is dropped, which would change the session counts test_api.py compares
+        sessions = ["--max-sessions", "64"]
+        v, vaddr = model_server("verifier", str(t_dir), logs, extra=sessions)
         procs.append(v)
         # float weights like the in-process engines the tests compare round counts with (an fp32
         # drafter server may otherwise choose int8 copies at load, by timing: crossdraft.quant)
-        d, daddr = model_server("drafter", str(d_dir), logs, extra=["--max-sessions", "8", "--quantize", "none"])
+        d, daddr = model_server("drafter", str(d_dir), logs, extra=[*sessions, "--quantize", "none"])
         procs.append(d)
         wait_grpc_healthy(vaddr, v)
         wait_grpc_healthy(daddr, d)
@@ -79,7 +89,7 @@ def stack(tiny_dirs, tmp_path_factory):
         redis.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def engine(tiny_dirs):
     from crossdraft.engine import Engine
     from crossdraft.models import load_model

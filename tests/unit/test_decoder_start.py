@@ -37,11 +37,36 @@ class CountingDrafter:
         return getattr(self.inner, name)
 
 
+@pytest.fixture(scope="module")
+def drafter(tok_d):
+    return tiny_lm(tok_d, seed=2)
+
+
+@pytest.fixture(scope="module")
+def measured(target, drafter, tmp_path_factory):
+    """The pair's forward cost tables, measured once for the module (crossdraft.costs), and the
+    vocabulary cache its mapping is written to."""
+    vocab = tmp_path_factory.mktemp("vocab")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+        e = Engine(target, drafter, vocab_cache_dir=vocab)
+    tables = {id(target): e.verifier.timings(), id(drafter): e.drafter_worker.timings()}
+    assert all(tables.values())
+    return tables, vocab
+
+
 @pytest.fixture()
-def eng(target, tok_d, tmp_path, monkeypatch):
+def eng(target, drafter, measured, monkeypatch):
+    """A fresh engine per test (its workers' sessions and timing tables, its decoder's records are
+    the test's own) on the module's models, cost tables and vocabulary cache."""
+    from crossdraft import costs
+
     # measured costs (the e2e tests' session turns them off process-wide: make sure they are on)
     monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
-    e = Engine(target, tiny_lm(tok_d, seed=2), vocab_cache_dir=tmp_path)
+    tables, vocab = measured
+    with monkeypatch.context() as mp:  # the workers take the module's tables instead of timing again
+        mp.setattr(costs, "forward_ms", lambda loaded, max_tokens: list(tables[id(loaded)]))
+        e = Engine(target, drafter, vocab_cache_dir=vocab)
     assert e.verifier.timings() and e.drafter_worker.timings()
     e.counting = CountingDrafter(e.drafter_worker)
     e.decoder.drafter = e.counting
