@@ -71,7 +71,7 @@ class Stats:
         d = dict(self.__dict__)
         d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         d["acceptance_by_position"] = [
-            a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.drafted_by_position)
+            a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.drafted_by_position, strict=True)
         ]
         d["mean_accepted_per_round"] = self.accepted / self.rounds if self.rounds else 0.0
         d["tokens_per_round"] = self.new_tokens / self.rounds if self.rounds else 0.0
