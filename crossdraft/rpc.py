@@ -260,6 +260,28 @@ def _message_options(max_message_mb: int) -> list[tuple[str, int]]:
     ]
 
 
+class ProbeHealthServicer(health.HealthServicer):
+    """grpc.health.v1 whose Check and List run on a small thread pool of their own.
+
+    A server's handlers share its thread pool, and a streaming generation or a Verify waiting for
+    its batch holds a pool thread for as long as it runs: with every thread busy, a Check on the
+    shared pool would wait until one of them ends. grpc runs a handler on the pool named by its
+    ``experimental_thread_pool`` attribute when it has one; Check and List answer from memory at
+    once, so two threads serve any number of probes. Watch (a stream) stays on the server's pool."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-probe")
+        for name in ("Check", "List"):
+            bound = getattr(super(), name)
+
+            def handler(request, context, _bound=bound):
+                return _bound(request, context)
+
+            handler.experimental_thread_pool = pool
+            setattr(self, name, handler)
+
+
 def build_server(
     servicer_adders: Sequence[Callable[[grpc.Server], None]],
     service_full_names: Sequence[str],
@@ -276,7 +298,8 @@ def build_server(
 
     ``servicer_adders``: callables registering one servicer each, e.g.
     ``lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(svc, s)``.
-    Health starts NOT_SERVING for "" and every service name (see :func:`set_serving`).
+    Health starts NOT_SERVING for "" and every service name (see :func:`set_serving`); its Check
+    answers on threads of its own (:class:`ProbeHealthServicer`), not behind the handlers.
     ``port`` 0 picks a free port. ``tls``: a :class:`crossdraft.tls.TLSConfig` with a certificate
     serves TLS (re-reading the files when they change); with require_client_auth callers must
     present a certificate signed by its CA. Returns (server, bound port, health servicer).
@@ -294,7 +317,7 @@ def build_server(
     )
     for add in servicer_adders:
         add(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = ProbeHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     set_serving(health_servicer, ["", *service_full_names], False)
     reflection.enable_server_reflection(

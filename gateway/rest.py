@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -30,6 +31,13 @@ from crossdraft.errors import (
 from .core import OPTION_FIELDS, add_stats, check_api_key, check_utf8, key_owner, validate_messages
 
 MAX_BODY_BYTES = 4 << 20
+# Worker threads per kind of work (anyio limiters). The rounds of a generation block a thread for as
+# long as they run; on a limiter shared with the probes (anyio's default one has 40 threads) a busy
+# gateway would make /healthz and /readyz wait until some generation ends. So generation work has a
+# limiter sized by the admission limit (admission, not the thread count, bounds the generations), each
+# probe one of its own, and the rest (sessions, tokenizer) anyio's default one.
+PROBE_THREADS = 2  # per probe endpoint: probes that arrive while two run wait for those, not for work
+GENERATION_THREADS_EXTRA = 8  # beyond one per admitted generation: a closing stream, a shared prefill
 MAX_DETOKENIZE = 1 << 20  # token ids per /detokenize call
 RETRY_AFTER_S = 1  # 429 / 503: when to try again (a round or two frees KV memory; a restart takes longer)
 # REST field -> gateway option
@@ -383,20 +391,36 @@ def _sse(jobs: Completions, ctx, span, rid: str, created: int, model: str, chat:
 
 
 _END = object()
+READY_MAX_AGE_S = 2.0  # /readyz: the oldest readiness check of the model servers it answers from
 
 
-async def _in_threads_then_close(gen):
-    """Iterate a sync generator in worker threads (as Starlette does with one) and, however the
-    iteration ends (done, an error, the task cancelled), close it in a worker thread at once."""
+def _readiness(g) -> tuple[bool, dict]:
+    """(ready, details) for /readyz: the gateway's latest readiness check (a fresh one if it is older
+    than READY_MAX_AGE_S) with Redis asked now. A Redis that answers now but did not at that
+    check: everything is checked afresh (the check's verdict included Redis)."""
+    ok, details = g.readiness(max_age_s=READY_MAX_AGE_S)
+    if details.get("draining"):
+        return ok, details
+    redis_ok = g.store.ping()
+    if redis_ok and details.get("redis") != "ok":
+        return g.readiness(max_age_s=0.0)
+    if not redis_ok:
+        return False, dict(details, redis="unreachable")
+    return ok, details
+
+
+async def _in_threads_then_close(gen, limiter=None):
+    """Iterate a sync generator in worker threads of `limiter` (as Starlette does with one) and,
+    however the iteration ends (done, an error, the task cancelled), close it in a worker thread at once."""
     try:
         while True:
-            item = await anyio.to_thread.run_sync(next, gen, _END)
+            item = await anyio.to_thread.run_sync(next, gen, _END, limiter=limiter)
             if item is _END:
                 return
             yield item
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(gen.close)
+            await anyio.to_thread.run_sync(gen.close, limiter=limiter)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -411,8 +435,8 @@ class ClosingStreamingResponse(StreamingResponse):
     held the placement lock that the cleanup takes again: the gateway deadlocked (found by
     benchmarks/soak.py). Here the cleanup runs in a worker thread before the response returns."""
 
-    def __init__(self, content, **kw):
-        super().__init__(_in_threads_then_close(iter(content)), **kw)
+    def __init__(self, content, limiter=None, **kw):
+        super().__init__(_in_threads_then_close(iter(content), limiter), **kw)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -436,12 +460,33 @@ class RestApi:
     def __init__(self, gw_ref, tracer=None):
         self.gw_ref = gw_ref
         self.tracer = tracer or trace.get_tracer("crossdraft.gateway")
+        self._generation: anyio.CapacityLimiter | None = None  # sized by the gateway's admission limit
+        self._liveness = anyio.CapacityLimiter(PROBE_THREADS)
+        self._readiness = anyio.CapacityLimiter(PROBE_THREADS)
 
     def gw(self):
         g = self.gw_ref()
         if g is None:
             raise Unavailable("the gateway is starting")
         return g
+
+    def generation_limiter(self, g) -> anyio.CapacityLimiter:
+        """The worker threads of generation work: one per generation the admission lets run, plus a few."""
+        if self._generation is None:
+            self._generation = anyio.CapacityLimiter(g.cfg.max_concurrent_requests + GENERATION_THREADS_EXTRA)
+        return self._generation
+
+    async def _work(self, g, fn, *args):
+        """fn(*args) in a generation worker thread: what blocks (Redis, model servers, tokenizers)
+        never runs on the event loop, which serves the probes."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.generation_limiter(g))
+
+    async def _close(self, g, jobs) -> None:
+        """Close jobs (admission slots, leases, the model servers' sessions) in a worker thread,
+        to the end even if the caller is being cancelled."""
+        if jobs:
+            with anyio.CancelScope(shield=True):
+                await self._work(g, lambda: [job.close() for job in jobs])
 
     def routes(self) -> list[Route]:
         return [
@@ -492,18 +537,22 @@ class RestApi:
                 if i and "seed" in o:  # completion i > 0: its own seed, derived from the request's
                     o["seed"] = derive_seed(o["seed"], i)
                 await g.admission.enter_async()
-                job = g.start(session_id=extra.get("session_id"), prompt=None if chat else value,
-                              messages=value if chat else None, options=o, api="rest", names=names,
-                              stop=extra.get("stop"), admitted=True,
-                              owner=key_owner(g.cfg, request.headers.get("authorization")),
-                              top_logprobs=extra["top"], like=jobs[0] if jobs else None)
-                job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
-                jobs.append(job)
+                start = functools.partial(
+                    g.start, session_id=extra.get("session_id"), prompt=None if chat else value,
+                    messages=value if chat else None, options=o, api="rest", names=names, stop=extra.get("stop"),
+                    admitted=True, owner=key_owner(g.cfg, request.headers.get("authorization")),
+                    top_logprobs=extra["top"], like=jobs[0] if jobs else None)
+                # start() reads the session from Redis, tokenizes and places the job: in a worker
+                # thread; shielded, so that a job it started is in `jobs` (closed below) even when
+                # the client goes away meanwhile
+                with anyio.CancelScope(shield=True):
+                    job = await self._work(g, start)
+                    job.echo = value if extra.get("echo") else ""  # completions: the prompt comes first in the text
+                    jobs.append(job)
             if len(jobs) > 1:  # the n completions share the prompt's prefill
-                await anyio.to_thread.run_sync(g.share_prefill, jobs)
+                await self._work(g, g.share_prefill, jobs)
         except BaseException:
-            for job in jobs:
-                job.close()
+            await self._close(g, jobs)
             raise
         include_usage = bool((extra.get("stream_options") or {}).get("include_usage"))
         return Completions(jobs, n), bool(extra.get("stream")), include_usage
@@ -528,7 +577,7 @@ class RestApi:
         created = int(time.time())
         if stream:
             return ClosingStreamingResponse(_sse(jobs, ctx, span, rid, created, g.model_name, chat, include_usage,
-                                                 g.pair),
+                                                 g.pair), limiter=self.generation_limiter(g),
                                             media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -551,7 +600,7 @@ class RestApi:
                 tg.start_soon(watch_disconnect)
                 async with anyio.create_task_group() as runs:  # the n completions run side by side
                     for i in range(len(jobs.jobs)):
-                        runs.start_soon(anyio.to_thread.run_sync, run_one, i)
+                        runs.start_soon(self._work, g, run_one, i)
                 tg.cancel_scope.cancel()  # done: stop watching
         finally:
             span.end()
@@ -590,7 +639,7 @@ class RestApi:
         pair = g.pair
         if pair.mapping is None:
             return JSONResponse({"drafter": None, "message": "no drafter: target-only"})
-        st = pair.mapping.stats()
+        st = await anyio.to_thread.run_sync(pair.mapping.stats)  # a pass over both vocabularies
         st.update({"drafter_allowed_tli": int(pair.allowed.sum()), "drafter_allowed_text": int(pair.allowed_text.sum()),
                    "draft_vocab": pair.draft_vocab, "drafter_drafts_tli": int(pair.masks["tli"].sum()),
                    "drafter_drafts_text": int(pair.masks["text"].sum()),
@@ -617,12 +666,12 @@ class RestApi:
                 if len(prompt) > g.cfg.max_prompt_chars:
                     raise InvalidArgument("prompt", f"is longer than {g.cfg.max_prompt_chars} characters")
                 check_utf8("prompt", prompt)
-                ids = g.pair.encode_target(prompt) if prompt else []
+                ids = await anyio.to_thread.run_sync(g.pair.encode_target, prompt) if prompt else []
             else:
                 messages = validate_messages(data["messages"])
                 if sum(len(m["content"]) for m in messages) > g.cfg.max_prompt_chars:
                     raise InvalidArgument("messages", f"are longer than {g.cfg.max_prompt_chars} characters")
-                ids = g.pair.chat_ids(messages, g.model_name)[0]
+                ids = (await anyio.to_thread.run_sync(g.pair.chat_ids, messages, g.model_name))[0]
         except Exception as e:
             return error_response(e)
         return JSONResponse({"tokens": [int(t) for t in ids], "count": len(ids),
@@ -646,12 +695,12 @@ class RestApi:
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vt:
                     raise InvalidArgument(f"tokens[{i}]", f"must be a token id in [0, {vt}), got {t!r}")
-            text = g.pair.target_tok.decode(ids)
+            text = await anyio.to_thread.run_sync(g.pair.target_tok.decode, ids)
         except Exception as e:
             return error_response(e)
         return JSONResponse({"prompt": text})
 
-    # ---- sessions -----------------------------------------------------------------------------
+    # ---- sessions (Redis: in worker threads) --------------------------------------------------------
     async def create_session(self, request: Request):
         try:
             g = self.gw()
@@ -664,8 +713,9 @@ class RestApi:
                 if k not in REST_OPTIONS:
                     raise InvalidArgument(k, "unknown field")
                 _take_option(opts, k, v)
-            s = g.create_session(opts, sid, names=_names(data),
-                                 owner=key_owner(g.cfg, request.headers.get("authorization")))
+            s = await anyio.to_thread.run_sync(functools.partial(
+                g.create_session, opts, sid, names=_names(data),
+                owner=key_owner(g.cfg, request.headers.get("authorization"))))
             return JSONResponse(_session_json(s), status_code=201)
         except Exception as e:
             return error_response(e)
@@ -674,7 +724,8 @@ class RestApi:
         try:
             g = self.gw()
             owner = key_owner(g.cfg, request.headers.get("authorization"))
-            return JSONResponse(_session_json(g.get_session(request.path_params["sid"], owner)))
+            s = await anyio.to_thread.run_sync(g.get_session, request.path_params["sid"], owner)
+            return JSONResponse(_session_json(s))
         except Exception as e:
             return error_response(e)
 
@@ -682,7 +733,7 @@ class RestApi:
         try:
             g = self.gw()
             owner = key_owner(g.cfg, request.headers.get("authorization"))
-            existed = g.delete_session(request.path_params["sid"], owner)
+            existed = await anyio.to_thread.run_sync(g.delete_session, request.path_params["sid"], owner)
             if not existed:
                 raise NotFound("session_id", f"no session {request.path_params['sid']!r}")
             return JSONResponse({"session_id": request.path_params["sid"], "deleted": True})
@@ -692,19 +743,29 @@ class RestApi:
     # ---- health and metrics ---------------------------------------------------------------------
     async def healthz(self, request: Request):
         """Liveness: the process answers -- unless its pairing went stale (every verifier serves
-        another revision, Gateway.stale_pairing): then 503, so that the orchestrator restarts it."""
+        another revision, Gateway.stale_pairing): then 503, so that the orchestrator restarts it.
+
+        stale_pairing() reads what the last readiness check found and calls nothing remote; it runs
+        in a thread of this probe's own limiter (it takes the gateway's lock), so that the answer
+        waits for no generation work."""
         g = self.gw_ref()
         if g is not None and g.cfg.stale_pairing_restart_s > 0:
-            why = await anyio.to_thread.run_sync(g.stale_pairing)
+            why = await anyio.to_thread.run_sync(g.stale_pairing, limiter=self._liveness)
             if why:
                 return JSONResponse({"status": "stale pairing", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request):
+        """Readiness: Redis answers (asked now) and every verifier reported SERVING at the gateway's
+        last readiness check, at most READY_MAX_AGE_S old (the gateway's readiness thread repeats it
+        every second; an older one is repeated here). The model servers' answers are taken from
+        that check because asking them costs several RPCs, each slow when the gateway is busy;
+        Redis is asked afresh, so that a lost Redis turns the answer to 503 at once. Runs in a
+        thread of this probe's own limiter, never behind generation work."""
         g = self.gw_ref()
         if g is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        ok, details = await anyio.to_thread.run_sync(lambda: g.readiness(max_age_s=0.0))
+        ok, details = await anyio.to_thread.run_sync(_readiness, g, limiter=self._readiness)
         if not ok:
             why = ("Redis is unreachable" if details.get("redis") != "ok"
                    else "a verifier is not serving (starting, loading its model, or down)")
