@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -297,6 +298,10 @@ class Metrics:
         self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
         self.queued = Gauge("crossdraft_queued_requests", "Requests waiting for a slot (--max-concurrent-requests)",
                             registry=r)
+        self.placement_retries = Counter(
+            "crossdraft_placement_retries_total",
+            "Requests moved to another replica because the chosen one refused them before their first token "
+            "(reason: resource_exhausted or unavailable)", ["kind", "reason"], registry=r)
 
     def round(self, ev) -> None:
         self.rounds.inc()
@@ -641,6 +646,9 @@ class Job:
         self.gw, self.session, self.lease, self.api = gw, session, lease, api
         self._finished = False
         self._placed = False
+        self.run = None
+        self._v_held: str | None = None  # the verifier replica whose placement slot this job holds
+        self._refused: list[tuple[str, Exception]] = []  # (verifier address, its refusal) of this request
         self.admitted = False  # holds an admission slot (given back by close())
         self._cancel = threading.Event()
         self._placement: dict = {}
@@ -651,19 +659,15 @@ class Job:
         merged.update(opts)
         self.opts = merged
         self.max_new_tokens = merged.get("max_new_tokens", gw.cfg.default_max_new_tokens)
-        self.params = SamplingParams(temperature=merged.get("temperature", gw.cfg.default_temperature),
-                                     top_k=merged.get("top_k", 0), top_p=merged.get("top_p", 1.0),
-                                     repetition_penalty=merged.get("repetition_penalty", 1.0))
+        self.params = self._base_params = SamplingParams(
+            temperature=merged.get("temperature", gw.cfg.default_temperature), top_k=merged.get("top_k", 0),
+            top_p=merged.get("top_p", 1.0), repetition_penalty=merged.get("repetition_penalty", 1.0))
         self.seed = merged.get("seed", 0 if self.params.greedy else random.getrandbits(62))
         self.draft = draft_config(merged, self.params, gw.cfg.default_num_draft_tokens)
         pl = gw.placement
         self.v_addr, _ = pl.choose("verifier", like.v_addr if like else session.verifier_address if session else None)
         if self.v_addr is None:
             raise Unavailable("no ready verifier")
-        # a seeded sampling request gets coupled draws where the verifier has them: its text is then a
-        # function of (seed, prompt) alone -- the same with or without a drafter, under any load
-        if not self.params.greedy and "seed" in merged and gw.supports("verifier", self.v_addr, "coupled_draws"):
-            self.params = dataclasses.replace(self.params, coupled=True)
         self.use_drafter = merged.get("use_drafter", True) and gw.has_drafter
         self.d_addr = None
         self.no_drafter_reason = ""
@@ -703,21 +707,66 @@ class Job:
         self.prompt_text = prompt
         self.t_ids, self.d_ids = t_ids, d_ids
         self.sid = server_session_id(session.session_id, session.owner) if session else f"oneoff-{uuid.uuid4().hex}"
+        self.prompt_tokens = len(t_ids)
+        self._names, self._stop, self._top_logprobs = names, stop, top_logprobs
+        self._place(self.v_addr)
+
+    def _start_run(self, addr: str) -> None:
+        """Prepare the run on the verifier at `addr` (its first round runs when :meth:`events` asks)."""
+        gw = self.gw
+        params = self._base_params
+        # a seeded sampling request gets coupled draws where the verifier has them: its text is then a
+        # function of (seed, prompt) alone -- the same with or without a drafter, under any load
+        if not params.greedy and "seed" in self.opts and gw.supports("verifier", addr, "coupled_draws"):
+            params = dataclasses.replace(params, coupled=True)
+        names, session = self._names, self.session
         try:
-            self.run = gw.decoder(self.v_addr, self.d_addr).run(
-                self.sid, t_ids, d_ids, max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed,
+            run = gw.decoder(addr, self.d_addr).run(
+                self.sid, self.t_ids, self.d_ids, max_new_tokens=self.max_new_tokens, params=params, seed=self.seed,
                 draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
-                round_scope=self._round_scope, stop=stop, top_logprobs=top_logprobs)
+                round_scope=self._round_scope, stop=self._stop, top_logprobs=self._top_logprobs)
         except InvalidArgument as e:  # e.g. prompt + max_new_tokens past the context: in the caller's field names
             name = names.get(e.field, e.field)
             if name == e.field:
                 raise
             msg = str(e).split(": ", 1)[-1].replace(e.field, name)
             raise InvalidArgument(name, msg) from None
-        self.prompt_tokens = len(t_ids)
-        pl.acquire("verifier", self.v_addr)
-        pl.acquire("drafter", self.d_addr)
-        self._placed = True
+        self.v_addr, self.params, self.run = addr, params, run
+        gw.placement.acquire("verifier", addr)
+        self._v_held = addr
+        if not self._placed:
+            gw.placement.acquire("drafter", self.d_addr)
+            self._placed = True
+
+    def _place(self, addr: str, refusal: Exception | None = None) -> None:
+        """Start the run on the verifier at `addr`; with `refusal` (how that replica refused the
+        run's first round), on the next one instead. The one place where a request changes replica:
+        until its first token, each replica that refuses it (RESOURCE_EXHAUSTED: its KV pool is full
+        of busy sessions; UNAVAILABLE: down, draining, unreachable, another revision) is left for the
+        least-loaded ready replica that has not refused it yet. The new replica builds the session's
+        KV cache from the ids the run sends. With none left, the error names every refusal: 429
+        (ResourceExhausted) when every replica was full, else 503 (Unavailable)."""
+        while True:
+            if refusal is not None:
+                self._refused.append((addr, refusal))
+                if self._v_held == addr:  # the refused run held the replica's slot and, one-off, its server session
+                    self._v_held = None
+                    self.gw.placement.release("verifier", addr)
+                    if self.session is None and isinstance(refusal, ResourceExhausted):
+                        self.gw.end_on_servers(self.sid, addr, None)  # (it answers: free what it holds of it)
+                nxt, _ = self.gw.placement.choose("verifier", None, exclude={a for a, _ in self._refused})
+                if nxt is None:
+                    raise refused_error("verifier", self._refused)
+                reason = "resource_exhausted" if isinstance(refusal, ResourceExhausted) else "unavailable"
+                self.gw.metrics.placement_retries.labels("verifier", reason).inc()
+                log.warning("verifier %s refused request %s before its first token (%s): moving it to %s",
+                            addr, self.sid, refusal, nxt)
+                addr, refusal = nxt, None
+            try:
+                self._start_run(addr)
+                return
+            except (ResourceExhausted, Unavailable) as e:  # e.g. no ModelInfo from a stopped replica
+                refusal = e
 
     def _round_scope(self, round_index):
         gw = self.gw
@@ -765,13 +814,7 @@ class Job:
         gw.metrics.active.inc()
         status = "error"
         try:
-            it = self.run
-            if self.session is not None:  # where this request's caches live (stored when the turn commits)
-                self._placement = {
-                    "verifier_address": self.v_addr,
-                    "verifier_instance": gw.placement.client("verifier", self.v_addr).instance_id,
-                    "drafter_address": self.d_addr or "",
-                    "drafter_instance": gw.placement.client("drafter", self.d_addr).instance_id if self.d_addr else ""}
+            first = True
             while True:
                 if self._cancel.is_set():
                     status = "cancelled"
@@ -779,10 +822,13 @@ class Job:
                     return
                 token = otel_context.attach(ctx) if ctx is not None else None
                 try:
-                    ev = next(it, None)
+                    ev = self._first_round() if first else next(self.run, None)
                 finally:
                     if token is not None:
                         otel_context.detach(token)
+                if first and self.session is not None:
+                    self._record_placement()
+                first = False
                 if ev is None:
                     break
                 if self.session is not None:
@@ -812,6 +858,31 @@ class Job:
             if status == "error" and self._cancel.is_set():
                 status = "cancelled"  # the consumer stopped reading us because the client went away
             self._finish(status)
+
+    def _first_round(self):
+        """The run's first round (syncs, prefill, first verification). A replica that refuses it
+        has produced no token: the run starts again on another replica (:meth:`_place`). Later
+        rounds are never moved: the client may have seen their output."""
+        while True:
+            try:
+                return next(self.run, None)
+            except (ResourceExhausted, Unavailable) as e:
+                if self._cancel.is_set():
+                    raise
+                self.run.close()
+                self._place(self.v_addr, e)
+
+    def _record_placement(self) -> None:
+        """Where this session's caches live now (stored when the turn commits). The drafter's
+        instance is best effort: a drafter that cannot answer leaves the request target-only."""
+        pl = self.gw.placement
+        d_instance = ""
+        if self.d_addr:
+            with contextlib.suppress(ResourceExhausted, Unavailable):
+                d_instance = pl.client("drafter", self.d_addr).instance_id
+        self._placement = {"verifier_address": self.v_addr,
+                           "verifier_instance": pl.client("verifier", self.v_addr).instance_id,
+                           "drafter_address": self.d_addr or "", "drafter_instance": d_instance}
 
     def _keep_lease(self) -> None:
         """Renew the session's lease a quarter of its life after the last renewal: a turn longer
@@ -860,13 +931,37 @@ class Job:
         if self.lease and self.session is not None:
             self.gw.store.release(self.session, self.lease)
             self.lease = None
+        if self._v_held:
+            self.gw.placement.release("verifier", self._v_held)
+            self._v_held = None
         if self._placed:
             self._placed = False
-            self.gw.placement.release("verifier", self.v_addr)
             self.gw.placement.release("drafter", self.d_addr)
         if self.session is None and self.sid:
             sid, self.sid = self.sid, None
             self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
+
+
+def _refusal(kind: str, addr: str, e: Exception) -> str:
+    """One refusal as "<address> <status> (<why>)", the status being the gRPC code the replica answered."""
+    code = "RESOURCE_EXHAUSTED" if isinstance(e, ResourceExhausted) else "UNAVAILABLE"
+    why = str(e)
+    # the clients' messages begin "<kind> <address>: " or "<kind> <address> <CODE>: " (clients._convert)
+    m = re.match(rf"{re.escape(kind)} {re.escape(addr)}(?: ([A-Z_]+))?: (.*)\Z", why, re.S)
+    if m:
+        code = m.group(1) if m.group(1) and not isinstance(e, ResourceExhausted) else code
+        why = m.group(2)
+    return f"{addr} {code} ({why})"
+
+
+def refused_error(kind: str, refused: list[tuple[str, Exception]]) -> Exception:
+    """The error of a request every ready `kind` replica refused: it names each replica and why;
+    ResourceExhausted (429 / RESOURCE_EXHAUSTED) when every refusal was one (full: retry later),
+    else Unavailable (503 / UNAVAILABLE)."""
+    msg = f"no {kind} replica accepted the request: " + ", ".join(_refusal(kind, a, e) for a, e in refused)
+    if all(isinstance(e, ResourceExhausted) for _, e in refused):
+        return ResourceExhausted(msg)
+    return Unavailable(msg)
 
 
 _LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
@@ -901,4 +996,4 @@ def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
 
 
 __all__ = ["OPTION_FIELDS", "Gateway", "GatewayConfig", "Job", "Metrics", "add_stats", "check_api_key", "check_utf8",
-           "key_owner", "validate_messages", "validate_options"]
+           "key_owner", "refused_error", "validate_messages", "validate_options"]

@@ -192,12 +192,14 @@ class Placement:
                 c = self.clients[(kind, addr)] = self.make[kind](addr)
             return c
 
-    def choose(self, kind: str, recorded: str | None) -> tuple[str | None, bool]:
-        """(address, moved): the recorded pod while it is ready, else the least-loaded ready pod."""
+    def choose(self, kind: str, recorded: str | None, exclude=()) -> tuple[str | None, bool]:
+        """(address, moved): the recorded pod while it is ready, else the least-loaded ready pod.
+        exclude: pods not to choose (those that already refused the request); (None, ...) when no
+        other ready pod is left."""
         pool = self.pools[kind]
         if pool is None:
             return None, False
-        addrs = pool.addresses()
+        addrs = [a for a in pool.addresses() if a not in exclude]
         if not addrs:
             return None, bool(recorded)
         if recorded in addrs:

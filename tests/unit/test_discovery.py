@@ -172,3 +172,39 @@ def test_placement_closes_the_clients_of_pods_that_left():
     assert pl.prune(now=712.0) == [] and not a2.closed
     assert pl.prune(now=722.0) == [("verifier", "a:1")] and a2.closed
     assert pl.choose("verifier", "a:1") == (None, True)
+
+
+def test_placement_skips_the_pods_that_refused():
+    """A request refused by its pod goes to the least-loaded pod that has not refused it; with every
+    ready pod excluded there is none (the gateway then reports every refusal)."""
+    pool = Pool("verifier", ["a:1", "b:1", "c:1"])
+    pl = Placement(pool, None, _PodClient, None)
+    pl.acquire("verifier", "b:1")
+    assert pl.choose("verifier", None, exclude={"a:1"}) == ("c:1", False)  # c is idle, b is not
+    assert pl.choose("verifier", None, exclude={"a:1", "c:1"}) == ("b:1", False)
+    assert pl.choose("verifier", "a:1", exclude={"a:1"}) == ("c:1", True)  # the recorded pod refused: it moves
+    assert pl.choose("verifier", None, exclude={"a:1", "b:1", "c:1"}) == (None, False)
+
+
+def test_refused_error_names_every_replica_and_keeps_the_status():
+    from crossdraft.errors import ResourceExhausted, Unavailable
+    from gateway.core import refused_error
+
+    full = ResourceExhausted("verifier 127.0.0.1:5001: kv cache full: 6 of 6 blocks held by busy sessions; retry later")
+    down = Unavailable("verifier 127.0.0.1:5002 UNAVAILABLE: failed to connect to all addresses")
+    late = Unavailable("verifier 127.0.0.1:5003 DEADLINE_EXCEEDED: Deadline Exceeded")
+    e = refused_error("verifier", [("127.0.0.1:5001", full), ("127.0.0.1:5002", down)])
+    assert type(e) is Unavailable  # not every replica was full: 503
+    assert str(e) == ("no verifier replica accepted the request: 127.0.0.1:5001 RESOURCE_EXHAUSTED (kv cache full: "
+                      "6 of 6 blocks held by busy sessions; retry later), 127.0.0.1:5002 UNAVAILABLE (failed to "
+                      "connect to all addresses)")
+    both_full = refused_error("verifier", [("127.0.0.1:5001", full), ("127.0.0.1:5004", ResourceExhausted(
+        "verifier 127.0.0.1:5004: kv cache full: 2 of 2 blocks held by busy sessions; retry later"))])
+    assert type(both_full) is ResourceExhausted  # every replica was full: 429, retry later
+    assert "127.0.0.1:5001 RESOURCE_EXHAUSTED" in str(both_full)
+    assert "127.0.0.1:5004 RESOURCE_EXHAUSTED" in str(both_full)
+    # a message of another shape is kept whole; a gRPC code other than UNAVAILABLE is named as such
+    odd = refused_error("verifier", [("x:1", Unavailable("verifier x:1 serves m at revision b")),
+                                     ("127.0.0.1:5003", late)])
+    assert str(odd).endswith("x:1 UNAVAILABLE (verifier x:1 serves m at revision b), "
+                             "127.0.0.1:5003 DEADLINE_EXCEEDED (Deadline Exceeded)")
