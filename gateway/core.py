@@ -158,6 +158,33 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
     return out
 
 
+_UNSET = object()
+
+
+def check_input(cfg: GatewayConfig, prompt, messages, names: dict | None = None, *, session: bool = False):
+    """A request's input: exactly one of a prompt (a string of at most ``cfg.max_prompt_chars``
+    characters, valid UTF-8, not empty unless it continues a session) or messages (at most as long
+    together). Returns the messages validated (None for a prompt). Field names as the caller's API
+    spells them (``names``)."""
+    names = names or {}
+    pname, mname = names.get("prompt", "prompt"), names.get("messages", "messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidArgument(pname, "give exactly one of prompt or messages")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidArgument(pname, "must be a string")
+        if len(prompt) > cfg.max_prompt_chars:
+            raise InvalidArgument(pname, f"is longer than {cfg.max_prompt_chars} characters")
+        check_utf8(pname, prompt)
+        if not prompt and not session:
+            raise InvalidArgument(pname, "must not be empty")
+        return None
+    messages = validate_messages(messages, mname)
+    if sum(len(m["content"]) for m in messages) > cfg.max_prompt_chars:
+        raise InvalidArgument(mname, f"are longer than {cfg.max_prompt_chars} characters")
+    return messages
+
+
 def _bearer(authorization: str | None) -> str:
     """The key of an "Authorization: Bearer <key>" header ("" if it is not one)."""
     token = (authorization or "").strip()
@@ -557,16 +584,24 @@ class Gateway:
         return forked
 
     def precheck(self, *, session_id: str | None, messages: list | None, options: dict, names: dict | None = None,
-                 stop=None) -> None:
-        """The checks of a request that need no model server and no session, run before it takes an
-        admission slot: a malformed request gets its 400 / INVALID_ARGUMENT even while the gateway
-        is full (not a 429 that would send the client to retry the same mistake)."""
+                 stop=None, prompt=_UNSET, top_logprobs: int = -1) -> None:
+        """The checks of a request that need no model server, no session and no tokenizer, run
+        before it takes an admission slot: a malformed request gets its 400 / INVALID_ARGUMENT even
+        while the gateway is full (not a 429 that would send the client to retry the same mistake).
+        What needs the session (its kind) or the tokens (a prompt past the context) is checked once
+        the request is admitted. `prompt`: the request's prompt (None for a chat request); left out,
+        only the messages are checked."""
+        names = names or {}
         if session_id:
             check_session_id(session_id)
         validate_options(options, self.cfg, names)
         check_stop(stop)
-        if messages is not None:
-            validate_messages(messages)
+        check_int(names.get("top_logprobs", "top_logprobs"), top_logprobs, -1, 20)
+        if prompt is _UNSET:
+            if messages is not None:
+                validate_messages(messages, names.get("messages", "messages"))
+        else:
+            check_input(self.cfg, prompt, messages, names, session=bool(session_id))
 
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
               api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False,
@@ -593,20 +628,7 @@ class Gateway:
         names = names or {}
         if session_id:
             check_session_id(session_id)
-        if (prompt is None) == (messages is None):
-            raise InvalidArgument(names.get("prompt", "prompt"), "give exactly one of prompt or messages")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidArgument(names.get("prompt", "prompt"), "must be a string")
-            if len(prompt) > self.cfg.max_prompt_chars:
-                raise InvalidArgument(names.get("prompt", "prompt"),
-                                      f"is longer than {self.cfg.max_prompt_chars} characters")
-            check_utf8(names.get("prompt", "prompt"), prompt)
-        if messages is not None:
-            messages = validate_messages(messages, names.get("messages", "messages"))
-            if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
-                raise InvalidArgument(names.get("messages", "messages"),
-                                      f"are longer than {self.cfg.max_prompt_chars} characters")
+        messages = check_input(self.cfg, prompt, messages, names, session=bool(session_id))
         opts = validate_options(options, self.cfg, names)
         stop = check_stop(stop)
         top_logprobs = check_int(names.get("top_logprobs", "top_logprobs"), top_logprobs, -1, 20)

@@ -529,7 +529,7 @@ class RestApi:
         greedy = opts.get("temperature", g.cfg.default_temperature) == 0
         runs = 1 if greedy else n
         g.precheck(session_id=extra.get("session_id"), messages=value if chat else None, options=opts, names=names,
-                   stop=extra.get("stop"))
+                   stop=extra.get("stop"), prompt=None if chat else value)
         jobs = []
         try:
             for i in range(runs):

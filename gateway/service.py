@@ -48,13 +48,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         prompt = request.prompt if (request.prompt or not messages) else None
         try:
             options = options_from_proto(request.options)
+            top_logprobs = int(request.top_logprobs) if request.HasField("top_logprobs") else -1
             self.gw.precheck(session_id=request.session_id or None, messages=messages, options=options,
-                             stop=list(request.stop) or None)
+                             stop=list(request.stop) or None, prompt=prompt, top_logprobs=top_logprobs)
             self.gw.admission.enter()
             job = self.gw.start(session_id=request.session_id or None, prompt=prompt, messages=messages,
                                 options=options, api="grpc",
                                 stop=list(request.stop) or None, admitted=True, owner=owner,
-                                top_logprobs=int(request.top_logprobs) if request.HasField("top_logprobs") else -1)
+                                top_logprobs=top_logprobs)
         except Exception as e:
             # as REST counts its rejections
             self.gw.metrics.requests.labels("grpc", "overloaded" if isinstance(e, ResourceExhausted)

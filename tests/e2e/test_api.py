@@ -207,6 +207,26 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
                              json={"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5})
     with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as bad_grpc:
         c.generate(PROMPT, max_new_tokens=2, temperature=-1.0)
+    # every check that needs no session, model server or tokenizer runs before admission: each of
+    # these malformed inputs is named in a 400 (413 for a prompt over the size limit) /
+    # INVALID_ARGUMENT while the gateway is full
+    too_long = "x" * 200_001
+    bad_inputs = [
+        ("/v1/completions", {"prompt": too_long, "max_tokens": 2}, "prompt", 413),
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, "prompt", 400),
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt", 400),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 21}, "logprobs", 400),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]}, "messages", 413),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages", 400),
+    ]
+    rest_bad = [(field, code, requests.post(http + route, json=body, timeout=30))
+                for route, body, field, code in bad_inputs]
+    grpc_bad = []
+    for field, kwargs in (("prompt", {"prompt": too_long}), ("prompt", {"prompt": ""}),
+                          ("top_logprobs", {"prompt": PROMPT, "top_logprobs": 21})):
+        with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as err:
+            c.generate(max_new_tokens=2, **kwargs)
+        grpc_bad.append((field, err.value))
     health = requests.get(http + "/healthz", timeout=10)
     with Client(grpc_addr) as c, pytest.raises(grpc.RpcError) as e:
         c.generate(PROMPT, max_new_tokens=2)
@@ -221,6 +241,12 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
     assert bad_stop.status_code == 400 and "stop" in bad_stop.json()["error"]["message"]
     assert bad_grpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad_grpc.value.details()
+    for field, code, r in rest_bad:
+        assert r.status_code == code, (field, r.status_code, r.text[:200])
+        assert r.json()["error"]["message"].startswith(field), r.json()
+    for field, err in grpc_bad:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.code(), err.details())
+        assert err.details().startswith(field), err.details()
     assert health.status_code == 200
     assert results == [200, 200]  # the queued one ran after the first
     assert _gauge(http, "crossdraft_active_requests") == 0 and _gauge(http, "crossdraft_queued_requests") == 0
