@@ -338,9 +338,13 @@ def main(argv=None) -> int:
     for _name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
         setattr(lazy, _name, _late(_name))
 
+    # a Generate stream holds a handler thread for its whole run, and a queued one while it waits for
+    # admission: threads for every generation the admission lets run or wait, plus a few for the short
+    # calls (sessions, tokenizer), so that the admission limits -- not the pool -- decide who waits
+    workers = cfg.max_concurrent_requests + cfg.max_queued_requests + 8
     server, gport, health = rpc.build_server(
         [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(lazy, s)], [SERVICE_NAME],
-        cfg.host, cfg.grpc_port, tracer=tracer, tls=cfg.tls)
+        cfg.host, cfg.grpc_port, max_workers=workers, tracer=tracer, tls=cfg.tls)
     server.start()
     app = build_app(lambda: holder["gw"], tracer)
     tls_kw = dict(ssl_certfile=cfg.tls.cert_file, ssl_keyfile=cfg.tls.key_file) if cfg.tls.cert_file else {}
