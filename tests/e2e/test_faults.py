@@ -230,7 +230,7 @@ def test_readyz_waits_for_a_restarted_verifier_to_load_its_model(faults):
     r = requests.get(http + "/readyz", timeout=10)
     assert r.status_code == 200 and set(r.json()["verifiers"].values()) == {"SERVING"}
     v.stop()
-    # /readyz answers from a cache up to a second old: the answers after the stop turn to 503
+    # /readyz takes the verifiers' states from a check at most 2 s old: the answers after the stop turn to 503
     r = _samples_until(lambda: requests.get(http + "/readyz", timeout=10), lambda r: r.status_code != 200,
                        "readyz sees the verifier gone")[-1]
     assert r.status_code == 503 and "verifier" in r.json()["reason"]
