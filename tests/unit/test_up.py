@@ -368,6 +368,8 @@ def test_main_fails_fast_when_a_child_cannot_start(monkeypatch, scripts, tmp_pat
     monkeypatch.setattr(up, "child_commands", fake_commands(scripts, fail="drafter"))
     t0 = time.monotonic()
     rc = up.main(_args(tmp_path))
+    # a liveness bound, not a speed check: the failed child ends the wait at once (about a second
+    # with these scripts), while a main that missed it would wait out the 60 s ready timeout
     assert rc == 1 and time.monotonic() - t0 < 30
     err = capsys.readouterr().err
     assert "drafter exited with code 3" in err and "does not exist" in err
