@@ -158,9 +158,6 @@ def validate_messages(messages, field: str = "messages") -> list[dict]:
     return out
 
 
-_UNSET = object()
-
-
 def check_input(cfg: GatewayConfig, prompt, messages, names: dict | None = None, *, session: bool = False):
     """A request's input: exactly one of a prompt (a string of at most ``cfg.max_prompt_chars``
     characters, valid UTF-8, not empty unless it continues a session) or messages (at most as long
@@ -583,25 +580,20 @@ class Gateway:
         self.metrics.forks.inc(forked)
         return forked
 
-    def precheck(self, *, session_id: str | None, messages: list | None, options: dict, names: dict | None = None,
-                 stop=None, prompt=_UNSET, top_logprobs: int = -1) -> None:
+    def precheck(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
+                 names: dict | None = None, stop=None, top_logprobs: int = -1) -> None:
         """The checks of a request that need no model server, no session and no tokenizer, run
         before it takes an admission slot: a malformed request gets its 400 / INVALID_ARGUMENT even
         while the gateway is full (not a 429 that would send the client to retry the same mistake).
         What needs the session (its kind) or the tokens (a prompt past the context) is checked once
-        the request is admitted. `prompt`: the request's prompt (None for a chat request); left out,
-        only the messages are checked."""
+        the request is admitted. `prompt`: the request's prompt (None for a chat request)."""
         names = names or {}
         if session_id:
             check_session_id(session_id)
         validate_options(options, self.cfg, names)
         check_stop(stop)
         check_int(names.get("top_logprobs", "top_logprobs"), top_logprobs, -1, 20)
-        if prompt is _UNSET:
-            if messages is not None:
-                validate_messages(messages, names.get("messages", "messages"))
-        else:
-            check_input(self.cfg, prompt, messages, names, session=bool(session_id))
+        check_input(self.cfg, prompt, messages, names, session=bool(session_id))
 
     def start(self, *, session_id: str | None, prompt: str | None, messages: list | None, options: dict,
               api: str = "grpc", names: dict | None = None, stop=None, admitted: bool = False,

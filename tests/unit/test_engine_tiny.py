@@ -587,3 +587,41 @@ def test_a_smaller_draft_vocabulary_is_exactly_lossless(peaked_pair, tmp_path_fa
     cap, _ = _check_exact(eng, SamplingParams(temperature=1.0), monkeypatch)
     # the drafts and q rows checked came from the smaller set (exact.check_drafts: q within the drafter's set)
     assert all(vc.draft.allowed.count == small for vc in cap.speculative())
+
+
+@pytest.mark.parametrize("lose", ["verifier", "drafter", "both"])
+def test_a_model_server_that_loses_the_session_mid_request_is_resynced_with_the_same_output(tli, monkeypatch, lose):
+    """A model server may drop a session between rounds (a restart, an LRU eviction): its next
+    verify or draft answers NotFound, and the round loop syncs the session's history again and
+    retries that call. The output is the uninterrupted run's, token for token (greedy)."""
+    draft = DraftConfig(num_draft_tokens=3, adaptive=False)
+    ref = tli.generate(PROMPTS[0], max_new_tokens=24, draft=draft)
+    workers = {"verifier": [tli.verifier], "drafter": [tli.drafter_worker],
+               "both": [tli.verifier, tli.drafter_worker]}[lose]
+    syncs = {id(w): 0 for w in workers}
+    for w in workers:
+        orig_sync = w.sync
+
+        def sync(sid, ids, *a, _w=w, _orig=orig_sync, **kw):
+            syncs[id(_w)] += 1
+            return _orig(sid, ids, *a, **kw)
+
+        monkeypatch.setattr(w, "sync", sync)
+    tli._n += 1
+    sid = f"engine-{tli._n}"
+    run = tli.decoder.run(sid, tli.pair.encode_target(PROMPTS[0]), tli.pair.encode_drafter(PROMPTS[0]),
+                          max_new_tokens=24, params=SamplingParams(), seed=0, draft=draft)
+    dropped = 0
+    try:
+        for i, _ in enumerate(run):
+            if i in (1, 3):  # between rounds, twice: the worker forgets the session
+                for w in workers:
+                    assert w.end(sid)
+                dropped += 1
+    finally:
+        tli.verifier.end(sid)
+        tli.drafter_worker.end(sid)
+    assert dropped == 2
+    assert run.result.token_ids == ref.token_ids
+    # each loss costs exactly one extra sync of that worker, beyond the one at the start
+    assert all(n == 1 + dropped for n in syncs.values()), syncs
