@@ -267,11 +267,19 @@ def _remote_tokenizer(client):
                 raise CrossdraftError(f"{client.who} sent a bad tokenizer file name {name!r}")
             (tmp / name).write_bytes(content)
         (tmp / ".complete").write_text("ok")
-        if d.exists():
-            import shutil
+        import shutil
 
-            shutil.rmtree(d, ignore_errors=True)
-        os.replace(tmp, d)
+        if d.exists() and not (d / ".complete").exists():
+            shutil.rmtree(d, ignore_errors=True)  # left incomplete by a process that died writing it
+        try:
+            os.rename(tmp, d)
+        except OSError:
+            # another gateway on this $CROSSDRAFT_HOME renamed the same files there first (a directory
+            # gets there complete, by rename, and may be loading now): keep it, drop ours. Replacing
+            # it removed it under that gateway's load, which then failed to start.
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (d / ".complete").exists():
+                raise
     return AutoTokenizer.from_pretrained(str(d))
 
 
