@@ -17,6 +17,11 @@ DRAFT_CALLS = Counter("crossdraft_drafter_draft_calls_total", "Draft RPCs")
 TOKEN_SECONDS = Histogram("crossdraft_drafter_token_seconds", "Drafter forward time per proposed token",
                           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
 SYNCS = Counter("crossdraft_drafter_syncs_total", "Session syncs (full histories received)")
+# what syncs cost: a session new to this drafter (or moved to it from another, or evicted here)
+# counts its whole history; one whose cache holds the history counts what it does not hold
+SYNCED_TOKENS = Counter("crossdraft_drafter_synced_tokens_total",
+                        "History tokens received by session syncs beyond the cache entries reused "
+                        "(reused_tokens): the drafter computes their keys and values anew")
 
 
 def _edit(req):
@@ -54,6 +59,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def SyncDrafterSession(self, request, context):
         SYNCS.inc()
         reused, exp = self.state.get().sync(request.session_id, request.token_ids, prefill=request.prefill)
+        SYNCED_TOKENS.inc(len(request.token_ids) - reused)
         return drafter_pb2.SyncDrafterSessionResponse(reused_tokens=reused, context=wire.expect_to_proto(exp))
 
     def ForkDrafterSession(self, request, context):
