@@ -1,5 +1,7 @@
-"""Helpers for service tests: tiny random models saved as real HF directories, free ports, and
-real server processes (python -m drafter / verifier / gateway) started and stopped."""
+"""Helpers for service tests: tiny random models saved as real HF directories, free ports, real
+server processes (python -m drafter / verifier / gateway) started and stopped, and
+:class:`Services`, the stack builder the e2e files share (Redis plus those processes, stopped
+together)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +132,78 @@ def gateway(verifier: str, drafter: str | None, redis_url: str, log_dir: Path, *
     args += extra or []
     p = Proc(f"gateway-{hp}", args, log_dir, env=env).start()
     return p, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}"
+
+
+@dataclass
+class Services:
+    """A real stack under construction: a Redis server, then model servers and gateways started on
+    it, each its own process on 127.0.0.1 with its log in ``log_dir``.
+
+    Processes start when added and are waited for by :meth:`ready` (so that model servers load in
+    parallel); :meth:`stop` (or leaving the ``with`` block) stops them in reverse order, then
+    Redis. Use::
+
+        with Services(logs) as s:
+            v, vaddr = s.verifier(t_dir)
+            d, daddr = s.drafter(d_dir)
+            s.ready()
+            g, http, grpc_addr = s.gateway(vaddr, daddr)
+            s.ready()
+            yield ...
+    """
+
+    log_dir: Path
+    redis: object = None  # crossdraft.redis_server.RedisServer
+    procs: list[Proc] = field(default_factory=list)
+    _waits: list = field(default_factory=list)  # (wait function, target, proc) of processes not yet ready
+
+    def __post_init__(self) -> None:
+        from crossdraft.redis_server import RedisServer
+
+        self.redis = RedisServer().start()
+
+    def __enter__(self) -> "Services":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _model_server(self, kind: str, model, extra, env) -> tuple[Proc, str]:
+        p, addr = model_server(kind, str(model), self.log_dir, extra=list(extra or []), env=env)
+        self.procs.append(p)
+        self._waits.append((wait_grpc_healthy, addr, p))
+        return p, addr
+
+    def verifier(self, model, extra=None, env: dict | None = None) -> tuple[Proc, str]:
+        """A verifier process (fp32); ``env`` adds fault-injection knobs. Returns (process, host:port)."""
+        return self._model_server("verifier", model, extra, env)
+
+    def drafter(self, model, extra=None, env: dict | None = None) -> tuple[Proc, str]:
+        """A drafter process on fp32 float weights (``--quantize none``: an fp32 drafter server may
+        otherwise choose int8 copies at load, by timing -- crossdraft.quant -- while the in-process
+        engines the tests compare with keep float weights)."""
+        return self._model_server("drafter", model, ["--quantize", "none", *(extra or [])], env)
+
+    def gateway(self, verifier: str | list[str], drafter: str | None, **kw) -> tuple[Proc, str, str]:
+        """A gateway on this stack's Redis over the verifier replica(s) and drafter given (keywords
+        as :func:`gateway`). Returns (process, REST base URL, gRPC host:port)."""
+        addrs = verifier if isinstance(verifier, str) else ",".join(verifier)
+        p, http, grpc_addr = gateway(addrs, drafter, self.redis.url, self.log_dir, **kw)
+        self.procs.append(p)
+        self._waits.append((wait_http_ready, http, p))
+        return p, http, grpc_addr
+
+    def ready(self) -> None:
+        """Wait until every process added since the last call serves (gRPC health SERVING for model
+        servers, /readyz 200 for gateways; the waits' bounds are liveness bounds)."""
+        waits, self._waits = self._waits, []
+        for wait, target, p in waits:
+            wait(target, p)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
