@@ -7,7 +7,7 @@ as the reference.
 first test asks for it and stopped after the last e2e test. The tests that use `stack` leave it
 as they found it: they start their own extra gateways (and stop them) for other flags, and the
 tests that kill, restart or reconfigure processes run on stacks of their own (test_faults.py,
-test_failed_turn.py). Requests read counters as differences (before / after), and sessions carry
+test_failed_turn.py, test_session_move.py). Requests read counters as differences (before / after), and sessions carry
 their own ids."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from crossdraft.redis_server import RedisServer
-from tests.service_fixtures import Proc, gateway, model_server, save_tiny_pair, wait_grpc_healthy, wait_http_ready
+from tests.service_fixtures import Proc, Services, save_tiny_pair
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -62,31 +62,17 @@ class Stack:
 def stack(tiny_dirs, tmp_path_factory):
     t_dir, d_dir = tiny_dirs
     logs = tmp_path_factory.mktemp("logs")
-    redis = RedisServer().start()
-    procs = []
-    try:
+    with Services(logs) as s:
         # KV caches for more sessions than all e2e files leave open together: past it the least
         # recently used is dropped, which would change the session counts test_api.py compares
         sessions = ["--max-sessions", "64"]
-        v, vaddr = model_server("verifier", str(t_dir), logs, extra=sessions)
-        procs.append(v)
-        # float weights like the in-process engines the tests compare round counts with (an fp32
-        # drafter server may otherwise choose int8 copies at load, by timing: crossdraft.quant)
-        d, daddr = model_server("drafter", str(d_dir), logs, extra=[*sessions, "--quantize", "none"])
-        procs.append(d)
-        wait_grpc_healthy(vaddr, v)
-        wait_grpc_healthy(daddr, d)
-        g1, http1, grpc1 = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=5)
-        procs.append(g1)
-        g2, http2, grpc2 = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=5)
-        procs.append(g2)
-        wait_http_ready(http1, g1)
-        wait_http_ready(http2, g2)
-        yield Stack(redis, v, vaddr, d, daddr, g1, http1, grpc1, g2, http2, grpc2, logs)
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+        v, vaddr = s.verifier(t_dir, extra=sessions)
+        d, daddr = s.drafter(d_dir, extra=sessions)
+        s.ready()
+        g1, http1, grpc1 = s.gateway(vaddr, daddr, drafter_timeout_s=5)
+        g2, http2, grpc2 = s.gateway(vaddr, daddr, drafter_timeout_s=5)
+        s.ready()
+        yield Stack(s.redis, v, vaddr, d, daddr, g1, http1, grpc1, g2, http2, grpc2, logs)
 
 
 @pytest.fixture(scope="package")

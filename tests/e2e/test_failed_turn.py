@@ -21,7 +21,7 @@ import requests
 from crossdraft.client import Client
 from crossdraft.redis_server import RedisServer
 from gateway.sessions import RedisSessionStore, Session
-from tests.service_fixtures import Proc, free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
+from tests.service_fixtures import Proc, Services, wait_grpc_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,28 +49,13 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_dirs, tmp_path_factory):
     t_dir, d_dir = tiny_dirs
-    logs = tmp_path_factory.mktemp("failed-turn-logs")
-    redis = RedisServer().start()
-    procs = []
-    try:
-        v, vaddr = model_server("verifier", str(t_dir), logs)
-        procs.append(v)
-        dport = free_port()
-        d = Proc(f"drafter-{dport}", ["drafter", "--model", str(d_dir), "--host", "127.0.0.1", "--port", str(dport),
-                                      "--dtype", "float32", "--quantize", "none"], logs,
-                 env={"CROSSDRAFT_FAULT_DRAFT_DELAY_S": DRAFT_DELAY_S}).start()
-        procs.append(d)
-        daddr = f"127.0.0.1:{dport}"
-        wait_grpc_healthy(vaddr, v)
-        wait_grpc_healthy(daddr, d)
-        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=10)
-        procs.append(g)
-        wait_http_ready(http, g)
-        yield Stack(redis, RedisSessionStore(redis.url), v, vaddr, d, g, http, grpc_addr)
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+    with Services(tmp_path_factory.mktemp("failed-turn-logs")) as s:
+        v, vaddr = s.verifier(t_dir)
+        d, daddr = s.drafter(d_dir, env={"CROSSDRAFT_FAULT_DRAFT_DELAY_S": DRAFT_DELAY_S})
+        s.ready()
+        g, http, grpc_addr = s.gateway(vaddr, daddr, drafter_timeout_s=10)
+        s.ready()
+        yield Stack(s.redis, RedisSessionStore(s.redis.url), v, vaddr, d, g, http, grpc_addr)
 
 
 @pytest.fixture(scope="module")

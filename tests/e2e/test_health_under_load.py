@@ -20,9 +20,8 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from crossdraft.redis_server import RedisServer
 from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.service_fixtures import gateway, model_server, wait_grpc_healthy, wait_http_ready
+from tests.service_fixtures import Services
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 480  # the tiny models' context is 512 positions: as long as a request can be here
@@ -42,25 +41,14 @@ def busy_gw(tiny_dirs, tmp_path_factory):
     once would crowd the shared stack's model servers (their session caches are sized for the
     other files)."""
     t_dir, d_dir = tiny_dirs
-    logs = tmp_path_factory.mktemp("health-under-load")
-    redis = RedisServer().start()
-    procs = []
-    try:
+    with Services(tmp_path_factory.mktemp("health-under-load")) as s:
         sessions = ["--max-sessions", "160"]
-        v, vaddr = model_server("verifier", str(t_dir), logs, extra=sessions)
-        procs.append(v)
-        d, daddr = model_server("drafter", str(d_dir), logs, extra=[*sessions, "--quantize", "none"])
-        procs.append(d)
-        wait_grpc_healthy(vaddr, v)
-        wait_grpc_healthy(daddr, d)
-        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=30)
-        procs.append(g)
-        wait_http_ready(http, g)
+        _, vaddr = s.verifier(t_dir, extra=sessions)
+        _, daddr = s.drafter(d_dir, extra=sessions)
+        s.ready()
+        _, http, grpc_addr = s.gateway(vaddr, daddr, drafter_timeout_s=30)
+        s.ready()
         yield http, grpc_addr
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
 
 
 def _metrics(http: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ import pytest
 from crossdraft.errors import ResourceExhausted, Unavailable
 from crossdraft.redis_server import RedisServer
 from gateway.discovery import Pool
-from tests.service_fixtures import Proc, model_server, wait_grpc_healthy
+from tests.service_fixtures import Proc, Services
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,21 +57,12 @@ class Replicas:
 @pytest.fixture(scope="module")
 def replicas(tiny_dirs, tmp_path_factory):
     t_dir, _ = tiny_dirs
-    logs = tmp_path_factory.mktemp("placement-retry")
-    redis = RedisServer().start()
-    procs = []
-    try:
-        h, ha = model_server("verifier", str(t_dir), logs)
-        r, ra = model_server("verifier", str(t_dir), logs, extra=SMALL_POOL)
-        f, fa = model_server("verifier", str(t_dir), logs, extra=SMALL_POOL)
-        procs = [h, r, f]
-        for p, a in ((h, ha), (r, ra), (f, fa)):
-            wait_grpc_healthy(a, p)
-        yield Replicas(redis, ha, ra, fa, f)
-    finally:
-        for p in procs:
-            p.stop()
-        redis.stop()
+    with Services(tmp_path_factory.mktemp("placement-retry")) as s:
+        _, h = s.verifier(t_dir)
+        _, r = s.verifier(t_dir, extra=SMALL_POOL)
+        f, fa = s.verifier(t_dir, extra=SMALL_POOL)
+        s.ready()
+        yield Replicas(s.redis, h, r, fa, f)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +106,19 @@ def at_once(gw, prompts: list[str]) -> list:
         return list(ex.map(lambda p: attempt(gw, p), prompts))
 
 
+def failures(gw, reference) -> list[Exception]:
+    """PAIRS sent two at a time: each request that succeeds gives the engine's text; returns the
+    errors of those that failed."""
+    failed = []
+    for pair in PAIRS:
+        for p, out in zip(pair, at_once(gw, pair), strict=True):
+            if isinstance(out, dict):
+                assert out["text"] == reference[p, PAIR_NEW]
+            else:
+                failed.append(out)
+    return failed
+
+
 def retries(gw, reason: str) -> float:
     return gw.metrics.placement_retries.labels("verifier", reason)._value.get()
 
@@ -138,13 +142,7 @@ def test_every_replica_full_is_429_naming_it(replicas, reference):
     from gateway.rest import error_response
 
     gw = core(replicas, [replicas.r])
-    failed = []
-    for pair in PAIRS:
-        for p, out in zip(pair, at_once(gw, pair), strict=True):
-            if isinstance(out, dict):
-                assert out["text"] == reference[p, PAIR_NEW]
-            else:
-                failed.append(out)
+    failed = failures(gw, reference)
     assert failed  # two prompts of 5 blocks that meet cannot both fit R's 6 blocks
     for e in failed:
         assert type(e) is ResourceExhausted, e
@@ -192,13 +190,7 @@ def test_full_and_stopped_replicas_are_503_naming_each(replicas, reference):
     replicas.stop_f()
     gw = core(replicas, [replicas.r])
     gw.placement.pools["verifier"].set([replicas.r, replicas.f])  # (the core starts on a replica that answers)
-    failed = []
-    for pair in PAIRS:
-        for p, out in zip(pair, at_once(gw, pair), strict=True):
-            if isinstance(out, dict):
-                assert out["text"] == reference[p, PAIR_NEW]
-            else:
-                failed.append(out)
+    failed = failures(gw, reference)
     assert failed  # two prompts of 5 blocks that meet cannot both fit R's 6 blocks; F is down
     for e in failed:
         assert type(e) is Unavailable, e
