@@ -31,7 +31,7 @@ from gateway.sessions import RedisSessionStore, Session
 from tests.service_fixtures import Proc, Services, free_port
 
 # a liveness bound for a hang, never a timing: the module takes ~25 s on 2 idle cores (six
-# process starts, nine short turns) and was seen at 170 s with the cores 8x oversubscribed
+# process starts, thirteen turns of 24 tokens) and was seen at 170 s with the cores 8x oversubscribed
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["def add(a, b):\n", "    # then the loop\n", "\nclass Foo:\n", "\n# and a test\n"]
