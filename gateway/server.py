@@ -184,7 +184,6 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
     from crossdraft.models import load_tokenizer
-    from crossdraft.vocab import TokenPair
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
@@ -221,12 +220,51 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     _check_digest(t_tok, vinfo, "target")
     if drafter:
         _check_digest(d_tok, dinfo, "drafter")
-    pair = TokenPair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0,
-                     draft_vocab=cfg.draft_vocab)
+    pair = token_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0,
+                      draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
                               tls_ca_file=cfg.redis_tls_ca_file)
     return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
                    max_context=vinfo["max_context_tokens"])
+
+
+# The gateway's caches of tokenizations, bounded. Each Rust BPE tokenizer keeps every word it splits
+# until its word cache is full (the tokenizers library's default: 10,000 words), and TokenPair keeps
+# the round loop's re-encodings of short strings (16,384 by default, then it starts over). Text that
+# keeps spelling new words -- every chat history, prompt and reply passes through both tokenizers --
+# fills them for tens of minutes, and with them the gateway's memory. These bounds keep what they
+# hold to about a megabyte; the words and strings that recur (most of them) are still found there.
+TOKENIZER_CACHE_WORDS = 1024
+MEMO_ENTRIES = 4096
+
+
+def bound_caches(pair, words: int = TOKENIZER_CACHE_WORDS, memo: int = MEMO_ENTRIES) -> int:
+    """Bound the word caches of the pair's BPE tokenizers to `words` entries each and its memo to
+    `memo` entries; returns how many tokenizers' caches were bounded (tokenizers without a word
+    cache, or libraries without the call, keep theirs)."""
+    pair.MEMO_SIZE = memo  # (this TokenPair only)
+    bounded = 0
+    for tok in (pair.target_tok, pair.drafter_tok):
+        model = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+        resize = getattr(model, "_resize_cache", None)
+        if resize is None:
+            continue
+        try:
+            resize(words)
+        except Exception as e:  # noqa: BLE001 - a model without a word cache keeps working as it is
+            log.info("tokenizer word cache not bounded: %s: %s", type(e).__name__, e)
+            continue
+        bounded += 1
+    return bounded
+
+
+def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
+    """The gateway's TokenPair (crossdraft.vocab), its caches bounded (:func:`bound_caches`)."""
+    from crossdraft.vocab import TokenPair
+
+    pair = TokenPair(t_tok, d_tok, target_vocab, drafter_vocab, **kw)
+    bound_caches(pair)
+    return pair
 
 
 def _first_healthy(placement, kind: str, timeout_s: float):
@@ -299,6 +337,11 @@ def main(argv=None) -> int:
         return 2
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s gateway %(levelname)s %(message)s")
+    from .memtrace import from_env as memtrace_from_env
+
+    memtrace = memtrace_from_env()  # CROSSDRAFT_TRACEMALLOC=<file>: what grows (gateway/memtrace.py)
+    if memtrace is not None:
+        memtrace.install_signal()
     import uvicorn
 
     from crossdraft import rpc, telemetry
@@ -394,6 +437,8 @@ def main(argv=None) -> int:
                     time.sleep(1.0)
 
             threading.Thread(target=follow_readiness, name="crossdraft-readiness", daemon=True).start()
+            if memtrace is not None:
+                memtrace.start()
             print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
                   f"{gw.drafter_model or 'none'}); REST {scheme}://{cfg.host}:{cfg.http_port}/v1, "
                   f"gRPC {cfg.host}:{gport}", flush=True)
@@ -410,6 +455,8 @@ def main(argv=None) -> int:
     tls_stop.set()
     rpc.set_serving(health, ["", SERVICE_NAME], False)
     server.stop(5).wait()
+    if memtrace is not None and memtrace.started:
+        memtrace.stop()
     try:
         provider.shutdown()
     except Exception:
