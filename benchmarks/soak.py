@@ -1,8 +1,9 @@
 """Soak test: a real stack on tiny models under mixed load for a bounded time (``make soak``).
 
-Starts Redis, a verifier, a drafter and the gateway as separate processes on 127.0.0.1 (tiny
-random-init models saved as real HF directories, as the e2e tests use), then ``--users`` threads
-(default 16) drive it for ``--duration-s`` seconds (default 600) with a mix of:
+Starts Redis, ``--verifiers`` verifier replicas (default 2), a drafter and the gateway as separate
+processes on 127.0.0.1 (tiny random-init models saved as real HF directories, as the e2e tests
+use; the gateway is given every verifier's address), then ``--users`` threads (default 16) drive
+it for ``--duration-s`` seconds (default 600) with a mix of:
 
 * plain and streamed (SSE) REST completions and chat completions, greedy and sampled (some with
   ``n`` = 2);
@@ -17,33 +18,49 @@ random-init models saved as real HF directories, as the e2e tests use), then ``-
   client gives up after a short read timeout, a gRPC call with a short deadline, a gRPC stream
   cancelled after its first delta;
 * bad requests (each must be answered 4xx / INVALID_ARGUMENT / NOT_FOUND naming the field);
-* one drafter restart in the middle (SIGKILL, or SIGTERM with ``--restart-signal term``, then a
-  new drafter process on the same port): requests meanwhile must succeed (target-only fallback).
+* two restarts, each a SIGKILL (or SIGTERM with ``--restart-signal term``) and a new process on
+  the same port: the drafter's at ``--restart-at`` of the run (requests meanwhile must succeed,
+  target-only), and verifier ``--restart-verifier``'s at ``--verifier-restart-at`` (sessions
+  placed on it move to another replica; requests in flight on it may fail with a 503, see below).
+  A share outside (0, 1) skips that restart.
 
 The gateway runs with a small admission limit, so some requests are refused with 429 (counted
 as such; the client waits and retries, as a real client would).
 
 Every request ends in one outcome: ``ok``, ``expected_4xx``, ``cancelled`` (the client gave up
-on purpose), ``429``, or ``unexpected`` (anything else: a 5xx, a connection error, an error event
-in a stream, a 4xx to a good request, a malformed answer, a broken transcript). Greedy one-off
-requests are also compared with the first answer to the same prompt and length (lossless
-decoding: the drafter, its fallback and batching must not change a token); a difference is
-counted as ``greedy_mismatch``.
+on purpose), ``429``, ``expected_503``, or ``unexpected`` (anything else: a 5xx, a connection
+error, an error event in a stream, a 4xx to a good request, a malformed answer, a broken
+transcript). ``expected_503``: a request whose [start, end] overlaps a verifier restart's window
+(from the signal to ``--restart-grace-s`` after the new process is healthy) and that got HTTP 503
+with a Retry-After of delta-seconds, an SSE error event with code 503 (a stream that had begun:
+its headers went out with its 200), or gRPC UNAVAILABLE; a 503 outside the windows, or one without
+Retry-After, is unexpected. A failed session turn leaves its session as it was (the transcript
+check holds the turns that succeeded). Greedy one-off requests are also compared with the first
+answer to the same prompt and length (lossless decoding: the drafter, its fallback, batching and
+the replica must not change a token); a difference is counted as ``greedy_mismatch``.
 
 Every ``--window-s`` seconds it records the outcomes, the p50/p95/p99 latency of the ``ok``
 requests that ended in the window, the RSS of each process (psutil), the Redis keys and the
-model servers' KV-pool blocks in use. At the end: the Redis keys vs the sessions alive (no leak),
-the transcripts, RSS growth after warm-up (the median of the first ``--compare-s`` seconds after
-warm-up vs the last ``--compare-s`` seconds; the restarted drafter is measured per process).
+model servers' KV-pool blocks in use; the JSON also has each service's RSS per minute. At the end:
+the Redis keys vs the sessions alive (no leak), the transcripts, RSS growth after warm-up (the
+median of the first ``--compare-s`` seconds after warm-up vs the last ``--compare-s`` seconds;
+``--warmup-s`` is capped at a third of the run). A restarted process is measured per process:
+its old life from the start, its new one with a warm-up of ``--warmup-s`` or a third of that life,
+whichever is shorter.
 
 Writes ``<out>/<tag>.json`` (stamped with the commit and a dirty flag) and ``<out>/<tag>.png``.
 Exit code 0 when the goals hold (0 unexpected, every transcript intact, RSS growth of every
-service under ``--rss-limit``, no Redis keys left over), 1 otherwise.
+service at most ``--rss-limit``, no Redis keys left over), 1 otherwise. ``--gateway-wrapper``
+runs the gateway under a command (a native heap profiler); ``CROSSDRAFT_TRACEMALLOC`` in the
+environment reaches the gateway (gateway/memtrace.py).
 
 Usage: python benchmarks/soak.py [--duration-s 600] [--users 16] [--tag soak]
+       python benchmarks/soak.py --duration-s 3600 --warmup-s 300 --rss-limit 0.02   # the hour of issue 42
        python benchmarks/soak.py --duration-s 60 --tag soak-smoke --out .cache/soak   # a smoke run
-       python benchmarks/soak.py --scenarios rest_completion,grpc_completion --restart-at 2   # one path only
+       python benchmarks/soak.py --scenarios rest_completion,grpc_completion --restart-at 2 \
+           --verifier-restart-at 2 --verifiers 1   # one path only, no restarts
 """
+
 
 from __future__ import annotations
 
@@ -55,6 +72,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -79,7 +97,8 @@ from crossdraft.client import Client  # noqa: E402
 from crossdraft.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import Proc, free_port, wait_grpc_healthy, wait_http_ready  # noqa: E402
 
-OUTCOMES = ("ok", "expected_4xx", "cancelled", "429", "unexpected")
+OUTCOMES = ("ok", "expected_4xx", "cancelled", "429", "expected_503", "unexpected")
+RETRY_AFTER = re.compile(r"\A\d+\Z")  # Retry-After in delta-seconds
 PROMPTS = [
     "def fibonacci(n):\n",
     "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n",
@@ -124,7 +143,11 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 class Stack:
-    """Redis, verifier, drafter and gateway, each its own process on 127.0.0.1."""
+    """Redis, ``--verifiers`` verifiers, a drafter and the gateway, each its own process on 127.0.0.1.
+
+    Processes are named ``verifier-0``, ``verifier-1``, ... and ``drafter``, ``gateway``; the
+    gateway is given every verifier's address (static discovery: its placement moves a request
+    that a replica refuses before its first token to another replica)."""
 
     def __init__(self, work: Path, a):
         self.work, self.a = work, a
@@ -132,14 +155,21 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis: RedisServer | None = None
         self.procs: dict[str, Proc] = {}
+        self.addrs: dict[str, str] = {}  # model server name -> host:port
         self.metrics_ports: dict[str, int] = {}
 
-    def _model_server(self, kind: str, model: str, port: int) -> Proc:
-        mport = free_port()
-        self.metrics_ports[kind] = mport
+    @property
+    def verifiers(self) -> list[str]:
+        return [n for n in self.procs if n.startswith("verifier")]
+
+    def _model_server(self, name: str, model: str) -> Proc:
+        kind = name.split("-")[0]
+        port, mport = free_port(), free_port()
+        self.metrics_ports[name] = mport
+        self.addrs[name] = f"127.0.0.1:{port}"
         args = [kind, "--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--metrics-port", str(mport)]
-        return Proc(kind, args, self.log_dir, env={"CROSSDRAFT_COST_PROFILE": "static"})
+        return Proc(name, args, self.log_dir, env={"CROSSDRAFT_COST_PROFILE": "static"})
 
     def start(self) -> "Stack":
         t_dir, d_dir = self.work / "models" / "tiny-target", self.work / "models" / "tiny-drafter"
@@ -156,19 +186,20 @@ class Stack:
             cfg["chat_template"] = CHAT_TEMPLATE
             cfg_path.write_text(json.dumps(cfg))
         self.redis = RedisServer(data_dir=self.work / "redis").start()
-        self.v_port, self.d_port = free_port(), free_port()
-        self.procs["verifier"] = self._model_server("verifier", str(t_dir), self.v_port).start()
-        self.procs["drafter"] = self._model_server("drafter", str(d_dir), self.d_port).start()
-        self.v_addr, self.d_addr = f"127.0.0.1:{self.v_port}", f"127.0.0.1:{self.d_port}"
-        wait_grpc_healthy(self.v_addr, self.procs["verifier"])
-        wait_grpc_healthy(self.d_addr, self.procs["drafter"])
+        for i in range(self.a.verifiers):
+            self.procs[f"verifier-{i}"] = self._model_server(f"verifier-{i}", str(t_dir)).start()
+        self.procs["drafter"] = self._model_server("drafter", str(d_dir)).start()
+        for name in list(self.procs):
+            wait_grpc_healthy(self.addrs[name], self.procs[name])
         hp, gp = free_port(), free_port()
-        gw = ["gateway", "--verifier", self.v_addr, "--drafter", self.d_addr, "--redis-url", self.redis.url,
+        gw = ["gateway", "--verifier", ",".join(self.addrs[n] for n in self.verifiers),
+              "--drafter", self.addrs["drafter"], "--redis-url", self.redis.url,
               "--host", "127.0.0.1", "--http-port", str(hp), "--grpc-port", str(gp),
               "--drafter-timeout-s", "10", "--connect-timeout-s", "120",
               "--max-concurrent-requests", str(self.a.gw_max_concurrent),
               "--max-queued-requests", str(self.a.gw_max_queued), "--queue-timeout-s", str(self.a.gw_queue_timeout_s)]
-        self.procs["gateway"] = Proc("gateway", gw, self.log_dir, env={"CROSSDRAFT_COST_PROFILE": "static"}).start()
+        self.procs["gateway"] = WrappedProc("gateway", gw, self.log_dir, env={"CROSSDRAFT_COST_PROFILE": "static"},
+                                            wrapper=self.a.gateway_wrapper).start()
         self.http, self.grpc = f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}"
         wait_http_ready(self.http, self.procs["gateway"])
         return self
@@ -179,11 +210,14 @@ class Stack:
             out[name] = p.p.pid if p.alive() else None
         return out
 
-    def restart_drafter(self, how: str) -> dict:
-        """Stop the drafter (SIGKILL, or SIGTERM and its graceful stop) and start a new one on the same port."""
-        d = self.procs["drafter"]
-        ev = {"signal": how, "old_pid": d.p.pid}
+    def restart(self, name: str, how: str, on_down=None) -> dict:
+        """Stop model server `name` (SIGKILL, or SIGTERM and its graceful stop) and start a new
+        process of it on the same port. on_down(t): called with the time the stop began."""
+        d = self.procs[name]
+        ev = {"name": name, "signal": how, "old_pid": d.p.pid}
         ev["t_down"] = time.time()
+        if on_down is not None:
+            on_down(ev["t_down"])
         if how == "kill":
             d.kill()
         else:
@@ -193,14 +227,15 @@ class Stack:
         d.log.close()
         d.start()
         ev["new_pid"] = d.p.pid
-        wait_grpc_healthy(self.d_addr, d, timeout=180)
+        wait_grpc_healthy(self.addrs[name], d, timeout=180)
         ev["t_up"] = time.time()
         return ev
 
-    def metrics(self, kind: str) -> dict[str, float]:
-        """Prometheus samples of a model server (kind) or the gateway ("gateway"), {} if unreachable."""
-        url = (self.http + "/metrics" if kind == "gateway"
-               else f"http://127.0.0.1:{self.metrics_ports[kind]}/metrics")
+    def metrics(self, name: str) -> dict[str, float]:
+        """Prometheus samples of a model server (its process name) or the gateway ("gateway"), {} if
+        unreachable."""
+        url = (self.http + "/metrics" if name == "gateway"
+               else f"http://127.0.0.1:{self.metrics_ports[name]}/metrics")
         try:
             text = requests.get(url, timeout=5).text
         except requests.RequestException:
@@ -208,14 +243,18 @@ class Stack:
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
+                metric, _, value = line.rpartition(" ")
                 with contextlib.suppress(ValueError):
-                    out[name] = float(value)
+                    out[metric] = float(value)
         return out
+
+    def kv_blocks_used(self, name: str) -> float | None:
+        kind = name.split("-")[0]
+        return self.metrics(name).get(f"crossdraft_{kind}_kv_cache_blocks_used")
 
     def stop(self) -> dict[str, int | None]:
         codes = {}
-        for name in ("gateway", "drafter", "verifier"):
+        for name in ("gateway", "drafter", *self.verifiers):
             p = self.procs.get(name)
             if p is not None:
                 p.stop(timeout=30)
@@ -223,6 +262,22 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
         return codes
+
+
+class WrappedProc(Proc):
+    """A Proc whose command may run under a wrapper (``--gateway-wrapper``, e.g. heaptrack)."""
+
+    def __init__(self, *args, wrapper: str = "", **kw):
+        super().__init__(*args, **kw)
+        self.wrapper = shlex.split(wrapper)
+
+    def start(self) -> "WrappedProc":
+        if not self.wrapper:
+            return super().start()
+        self.log = open(self.log_path, "ab")
+        self.p = subprocess.Popen([*self.wrapper, sys.executable, "-m", *self.args], cwd=ROOT, stdout=self.log,
+                                  stderr=subprocess.STDOUT, env=self.env)
+        return self
 
 
 # ---- recording ------------------------------------------------------------------------------------
@@ -243,6 +298,31 @@ class Recorder:
         self.transcripts = {"checked": 0, "intact": 0, "broken": []}
         self.sessions_alive: dict[str, dict] = {}  # id -> {"api", "kind", "expected", "turns"}
         self.sessions = {"created": 0, "deleted": 0}
+        # verifier restarts: [lo, hi] seconds since t0 in which a 503 is expected (hi is infinite
+        # while the restart runs); see unavailable()
+        self.restart_windows: list[list[float]] = []
+        self.expected_503 = {"http_503_retry_after": 0, "sse_error_503": 0, "grpc_unavailable": 0}
+
+    def in_restart_window(self, t_start: float, t_end: float) -> bool:
+        """Whether a request (absolute times) overlaps a verifier restart's window."""
+        a, b = t_start - self.t0, t_end - self.t0
+        with self.lock:
+            return any(a <= hi and b >= lo for lo, hi in self.restart_windows)
+
+    def unavailable(self, kind: str, t_start: float, latency_s: float, e: "Unavailable503") -> str:
+        """Record a 503: expected when the request overlaps a verifier restart's window and the
+        answer has the form a client can act on -- HTTP 503 with a Retry-After of delta-seconds,
+        an SSE error event with code 503 (a stream that has begun sent its headers with its 200,
+        so the event is how its 503 arrives), gRPC UNAVAILABLE (gRPC's retry-later status) --
+        else unexpected."""
+        form_ok = e.form != "http" or bool(RETRY_AFTER.match(e.retry_after or ""))
+        if form_ok and self.in_restart_window(t_start, t_start + latency_s):
+            with self.lock:
+                self.expected_503[{"http": "http_503_retry_after", "sse": "sse_error_503",
+                                   "grpc": "grpc_unavailable"}[e.form]] += 1
+            return self.add(kind, "expected_503", t_start, latency_s)
+        why = "outside a verifier restart's window" if form_ok else f"Retry-After {e.retry_after!r}"
+        return self.add(kind, "unexpected", t_start, latency_s, f"{e.form} 503 ({why}): {e}")
 
     def add(self, kind: str, outcome: str, t_start: float, latency_s: float, detail: str = "",
             fallback: bool | None = None) -> str:
@@ -275,6 +355,14 @@ class Recorder:
 
 class Unexpected(Exception):
     """An answer that breaks the contract (recorded as ``unexpected``)."""
+
+
+class Unavailable503(Exception):
+    """HTTP 503, an SSE error event with code 503, or gRPC UNAVAILABLE (Recorder.unavailable)."""
+
+    def __init__(self, detail: str, form: str, retry_after: str | None = None):
+        super().__init__(detail)
+        self.form, self.retry_after = form, retry_after
 
 
 class Refused(Exception):
@@ -360,7 +448,7 @@ class User(threading.Thread):
             except Refused as e:
                 self.rec.add(kind, "429", t, time.time() - t, str(e))
                 if self.stop_ev.wait(self.rng.uniform(0.1, 0.5)):
-                    break
+                    return None  # the run ended while the request waited to retry (its 429s are counted)
         raise Unexpected(f"{kind}: still refused (429) after 50 tries")
 
     def post(self, path: str, body, stream: bool = False, timeout=None):
@@ -371,6 +459,8 @@ class User(threading.Thread):
     def check_status(self, r: requests.Response, want: int = 200) -> None:
         if r.status_code == 429:
             raise Refused(r.text[:300])
+        if r.status_code == 503:
+            raise Unavailable503(r.text[:500], "http", r.headers.get("Retry-After"))
         if (r.status_code == 400 and _error_param(r) in ("max_tokens", "max_completion_tokens")
                 and "exceeds the context" in r.text):
             raise ContextFull(r.text[:300])
@@ -422,6 +512,8 @@ class User(threading.Thread):
                 if "error" in obj:
                     if obj["error"].get("code") == 429:
                         raise Unexpected(f"429 in the middle of a stream: {obj}")
+                    if obj["error"].get("code") == 503:
+                        raise Unavailable503(f"error event in the stream: {obj}"[:500], "sse")
                     raise Unexpected(f"error event in the stream: {obj}")
                 for ch in obj["choices"]:
                     i = ch["index"]
@@ -445,6 +537,9 @@ class User(threading.Thread):
                 text, fallback = fn()
             except Refused:
                 raise
+            except Unavailable503 as e:
+                self.rec.unavailable(kind, t, time.time() - t, e)
+                return None
             except ContextFull:
                 self.rec.add(kind, "expected_4xx", t, time.time() - t)
                 with self.rec.lock:
@@ -513,6 +608,8 @@ class User(threading.Thread):
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise Refused(e.details()) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable503(f"gRPC UNAVAILABLE: {e.details()}", "grpc") from None
             if (e.code() == grpc.StatusCode.INVALID_ARGUMENT and (e.details() or "").startswith("max_new_tokens")
                     and "exceeds the context" in e.details()):
                 raise ContextFull(e.details()) from None
@@ -684,6 +781,8 @@ class User(threading.Thread):
                     for line in r.iter_lines():
                         if line.startswith(b"data: {"):
                             if b'"error"' in line:
+                                if (json.loads(line[6:]).get("error") or {}).get("code") == 503:
+                                    raise Unavailable503(f"error event: {line[:500]!r}", "sse")
                                 raise Unexpected(f"error event: {line[:500]!r}")
                             if b'"finish_reason": null' in line:
                                 break  # text arrived, more follows: hang up here
@@ -693,6 +792,9 @@ class User(threading.Thread):
                         raise Unexpected("stream ended before any text")
             except Refused:
                 raise
+            except Unavailable503 as e:
+                self.rec.unavailable("cancel_sse", t, time.time() - t, e)
+                return
             except (Unexpected, requests.RequestException) as e:
                 self.rec.add("cancel_sse", "unexpected", t, time.time() - t, f"{type(e).__name__}: {e}")
                 return
@@ -715,6 +817,9 @@ class User(threading.Thread):
                 return
             except Refused:
                 raise
+            except Unavailable503 as e:
+                self.rec.unavailable("cancel_rest", t, time.time() - t, e)
+                return
             except (Unexpected, requests.RequestException, ValueError) as e:
                 self.rec.add("cancel_rest", "unexpected", t, time.time() - t, f"{type(e).__name__}: {e}")
                 return
@@ -737,6 +842,10 @@ class User(threading.Thread):
                     return
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Refused(e.details()) from None
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.rec.unavailable("cancel_grpc_deadline", t, time.time() - t,
+                                         Unavailable503(f"gRPC UNAVAILABLE: {e.details()}", "grpc"))
+                    return
                 self.rec.add("cancel_grpc_deadline", "unexpected", t, time.time() - t,
                              f"gRPC {e.code().name}: {e.details()}")
                 return
@@ -767,6 +876,10 @@ class User(threading.Thread):
                     return
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Refused(e.details()) from None
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.rec.unavailable("cancel_grpc_stream", t, time.time() - t,
+                                         Unavailable503(f"gRPC UNAVAILABLE: {e.details()}", "grpc"))
+                    return
                 self.rec.add("cancel_grpc_stream", "unexpected", t, time.time() - t,
                              f"gRPC {e.code().name}: {e.details()}")
                 return
@@ -894,10 +1007,7 @@ class Monitor(threading.Thread):
             keys.pop("_session_keys")
         except redis.RedisError as e:
             keys = {"error": str(e)}
-        kv = {}
-        for kind in ("verifier", "drafter"):
-            m = self.stack.metrics(kind)
-            kv[kind] = m.get(f"crossdraft_{kind}_kv_cache_blocks_used")
+        kv = {n: self.stack.kv_blocks_used(n) for n in (*self.stack.verifiers, "drafter")}
         g = self.stack.metrics("gateway")
         return {"t_s": round(t, 2), "pids": pids, "rss_bytes": rss, "redis_keys": keys, "kv_blocks_used": kv,
                 "gateway_active": g.get("crossdraft_active_requests"),
@@ -911,7 +1021,7 @@ class Monitor(threading.Thread):
             self.stop_ev.wait(max(0.0, nxt - time.time()))
 
 
-def windows(rec: Recorder, samples: list[dict], window_s: float, restart: dict | None) -> list[dict]:
+def windows(rec: Recorder, samples: list[dict], window_s: float) -> list[dict]:
     """Per window: outcomes of the requests that ended in it, latency percentiles of its ok requests,
     and the sample taken at its end."""
     out = []
@@ -989,6 +1099,7 @@ def plot(result: dict, path: Path) -> bool:
     ax[0].set_title(f"soak: {result['config']['users']} users, {result['config']['duration_s']:.0f} s, "
                     f"commit {result['meta']['commit'][:9]}{' (dirty)' if result['meta']['dirty'] else ''}")
     colors = {"ok": "tab:green", "expected_4xx": "tab:blue", "cancelled": "tab:gray", "429": "tab:orange",
+              "expected_503": "tab:purple",
               "unexpected": "tab:red"}
     width = result["config"]["window_s"] * 0.9
     bottom = [0] * len(ws)
@@ -1005,15 +1116,15 @@ def plot(result: dict, path: Path) -> bool:
     ax[2].set_yscale("log")
     ax[3].plot(t, [w["redis_keys"].get("sessions") for w in ws], label="Redis session keys")
     ax[3].plot(t, [w["redis_keys"].get("leases") for w in ws], label="Redis lease keys")
-    for kind in ("verifier", "drafter"):
-        ax[3].plot(t, [w["kv_blocks_used"].get(kind) for w in ws], ":", label=f"{kind} KV blocks used")
+    for name in ws[0]["kv_blocks_used"]:
+        ax[3].plot(t, [w["kv_blocks_used"].get(name) for w in ws], ":", label=f"{name} KV blocks used")
     ax[3].set_ylabel("count")
     ax[3].set_xlabel("seconds since start of load")
-    rs = result.get("restart")
+    shade = {"drafter": "tab:red"}
     for a in ax:
-        if rs:
-            a.axvspan(rs["t_down_s"], rs["t_up_s"], color="tab:red", alpha=0.15,
-                      label="drafter down" if a is ax[0] else None)
+        for rs in result.get("restarts") or ():
+            a.axvspan(rs["t_down_s"], rs["t_up_s"], color=shade.get(rs["name"], "tab:purple"), alpha=0.15,
+                      label=f"{rs['name']} down" if a is ax[0] else None)
         wu = result["config"]["warmup_s"]
         a.axvline(wu, color="k", lw=0.6, ls="--")
         a.legend(loc="upper left", fontsize=7, ncol=3)
@@ -1036,8 +1147,18 @@ def parse_args(argv=None):
                    help="warm-up excluded from the RSS comparison (at most a fifth of the duration)")
     p.add_argument("--compare-s", type=float, default=60.0,
                    help="RSS: the first this-many seconds after warm-up vs the last (shortened to fit)")
-    p.add_argument("--restart-at", type=float, default=0.5, help="drafter restart at this share of the run")
+    p.add_argument("--verifiers", type=int, default=2, help="verifier replicas behind the gateway")
+    p.add_argument("--restart-at", "--drafter-restart-at", dest="restart_at", type=float, default=0.5,
+                   help="drafter restart at this share of the run (outside (0, 1): none)")
+    p.add_argument("--verifier-restart-at", type=float, default=0.7,
+                   help="restart of verifier --restart-verifier at this share of the run (outside (0, 1): none)")
+    p.add_argument("--restart-verifier", type=int, default=0, help="which verifier (0-based) is restarted")
     p.add_argument("--restart-signal", choices=("kill", "term"), default="kill")
+    p.add_argument("--restart-grace-s", type=float, default=10.0,
+                   help="a verifier restart's window of expected 503s closes this long after the new process "
+                        "is healthy")
+    p.add_argument("--gateway-wrapper", default="",
+                   help="run the gateway under this command (e.g. 'heaptrack -o <file>'): native heap profiles")
     p.add_argument("--think-s", type=float, default=0.15, help="mean pause of a user between scenarios")
     p.add_argument("--keep-sessions", type=float, default=0.15,
                    help="share of sessions kept alive for a while (re-checked later, then deleted)")
@@ -1060,12 +1181,18 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
     a.scenarios = names
+    if a.verifiers < 1:
+        p.error("--verifiers: at least 1")
+    if not 0 <= a.restart_verifier < a.verifiers:
+        p.error(f"--restart-verifier: one of 0..{a.verifiers - 1}")
+    if 0 < a.restart_at < 1 and 0 < a.verifier_restart_at < 1 and a.restart_at == a.verifier_restart_at:
+        p.error("--restart-at and --verifier-restart-at: at different times (each restart's errors are told apart)")
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    a.warmup_s = min(a.warmup_s, a.duration_s / 5)
+    a.warmup_s = min(a.warmup_s, a.duration_s / 3)
     a.compare_s = min(a.compare_s, (a.duration_s - a.warmup_s) / 3)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1112,15 +1239,33 @@ def run_load(stack: Stack, a, stop_ev: threading.Event, meta: dict) -> dict | No
     users = [User(i, stack, rec, a, stop_at, stop_ev) for i in range(a.users)]
     for u in users:
         u.start()
-    restart = None
-    restart_t = t0 + a.duration_s * a.restart_at
+    # the restarts, in time order: the drafter's, and one verifier's (its window of expected 503s
+    # opens when it is stopped and closes --restart-grace-s after the new process is healthy)
+    plan = sorted((at, name) for name, at in (("drafter", a.restart_at),
+                                              (f"verifier-{a.restart_verifier}", a.verifier_restart_at))
+                  if 0 < at < 1 and name in stack.procs)
+    restarts: list[dict] = []
     last_print = t0
     reported = set()
     while time.time() < stop_at and not stop_ev.is_set():
-        if restart is None and time.time() >= restart_t:
-            print(f"soak: restarting the drafter ({a.restart_signal}) at {time.time() - t0:.0f} s", flush=True)
-            restart = stack.restart_drafter(a.restart_signal)
-            print(f"soak: drafter back after {restart['t_up'] - restart['t_down']:.1f} s", flush=True)
+        if plan and time.time() >= t0 + a.duration_s * plan[0][0]:
+            _, name = plan.pop(0)
+            window = None
+
+            def opened(t_down, name=name):
+                nonlocal window
+                if name.startswith("verifier"):
+                    window = [t_down - t0, float("inf")]
+                    with rec.lock:
+                        rec.restart_windows.append(window)
+
+            print(f"soak: restarting {name} ({a.restart_signal}) at {time.time() - t0:.0f} s", flush=True)
+            ev = stack.restart(name, a.restart_signal, on_down=opened)
+            if window is not None:
+                with rec.lock:
+                    window[1] = ev["t_up"] - t0 + a.restart_grace_s
+            restarts.append(ev)
+            print(f"soak: {name} back after {ev['t_up'] - ev['t_down']:.1f} s", flush=True)
         if time.time() - last_print >= 30:
             last_print = time.time()
             with rec.lock:
@@ -1167,7 +1312,7 @@ def run_load(stack: Stack, a, stop_ev: threading.Event, meta: dict) -> dict | No
     leak["kept_sessions_rechecked_intact"] = f"{recheck_ok}/{len(alive)}"
     leak["keys_after_deleting_the_kept_sessions"] = after["total"]
     leak["no_leak"] = leak["no_leak"] and after["total"] == 0
-    kv_end = {k: stack.metrics(k).get(f"crossdraft_{k}_kv_cache_blocks_used") for k in ("verifier", "drafter")}
+    kv_end = {n: stack.kv_blocks_used(n) for n in (*stack.verifiers, "drafter")}
     gm = stack.metrics("gateway")
     gateway_counts = {k.split("{", 1)[1].rstrip("}"): int(v) for k, v in gm.items()
                       if k.startswith("crossdraft_requests_total{")}
@@ -1175,18 +1320,18 @@ def run_load(stack: Stack, a, stop_ev: threading.Event, meta: dict) -> dict | No
     r.close()
 
     # ---- summary ----------------------------------------------------------------------------------
-    restart_rel = None
-    if restart:
-        restart_rel = {"signal": restart["signal"], "t_down_s": round(restart["t_down"] - t0, 2),
-                       "t_up_s": round(restart["t_up"] - t0, 2),
-                       "down_s": round(restart["t_up"] - restart["t_down"], 2),
-                       "old_pid": restart["old_pid"], "new_pid": restart["new_pid"],
-                       "old_exit_code": restart["old_exit_code"]}
-        lo, hi = restart_rel["t_down_s"] - 2, restart_rel["t_up_s"] + 10
+    restarts_rel = []
+    for ev in restarts:
+        lo, hi = ev["t_down"] - t0, ev["t_up"] - t0 + a.restart_grace_s
         during = [x for x in rec.requests if x[0] <= hi and x[1] >= lo]
-        restart_rel["requests_overlapping_the_restart"] = {o: sum(1 for x in during if x[3] == o) for o in OUTCOMES}
-        restart_rel["ok_with_drafter_fallback"] = sum(1 for x in during if x[3] == "ok" and x[5])
-        restart_rel["window_s"] = [round(lo, 2), round(hi, 2)]
+        r = {"name": ev["name"], "signal": ev["signal"], "t_down_s": round(ev["t_down"] - t0, 2),
+             "t_up_s": round(ev["t_up"] - t0, 2), "down_s": round(ev["t_up"] - ev["t_down"], 2),
+             "old_pid": ev["old_pid"], "new_pid": ev["new_pid"], "old_exit_code": ev["old_exit_code"],
+             "window_s": [round(lo, 2), round(hi, 2)],
+             "requests_overlapping_the_restart": {o: sum(1 for x in during if x[3] == o) for o in OUTCOMES}}
+        if ev["name"] == "drafter":
+            r["ok_with_drafter_fallback"] = sum(1 for x in during if x[3] == "ok" and x[5])
+        restarts_rel.append(r)
     totals = {o: sum(1 for x in rec.requests if x[3] == o) for o in OUTCOMES}
     kinds = sorted({x[2] for x in rec.requests})
     by_kind = {}
@@ -1198,18 +1343,31 @@ def run_load(stack: Stack, a, stop_ev: threading.Event, meta: dict) -> dict | No
     ok_lat = [x[4] for x in rec.requests if x[3] == "ok"]
     samples = mon.samples
     growth = {}
-    for name in ("redis", "verifier", "gateway", "load_generator"):
-        growth[name] = rss_growth(samples, name, 0, load_end, a.warmup_s, a.compare_s)
-    if restart_rel:
-        growth["drafter (before the restart)"] = rss_growth(samples, "drafter", 0, restart_rel["t_down_s"],
-                                                            a.warmup_s, a.compare_s)
-        growth["drafter (after the restart)"] = rss_growth(samples, "drafter", restart_rel["t_up_s"], load_end,
-                                                           a.warmup_s, a.compare_s)
-    else:
-        growth["drafter"] = rss_growth(samples, "drafter", 0, load_end, a.warmup_s, a.compare_s)
+    for name in ("redis", *stack.verifiers, "drafter", "gateway", "load_generator"):
+        lives = [[0.0, load_end]]  # each process's life: a restart ends one and begins the next
+        for r in restarts_rel:
+            if r["name"] == name:
+                lives[-1][1] = r["t_down_s"]
+                lives.append([r["t_up_s"], load_end])
+        for i, (lo, hi) in enumerate(lives):
+            # a restarted process's warm-up: as the run's, or a third of its life where that is shorter
+            warm = a.warmup_s if i == 0 else min(a.warmup_s, (hi - lo) / 3)
+            key = name if len(lives) == 1 else f"{name} ({'before' if i == 0 else 'after'} the restart)"
+            growth[key] = dict(rss_growth(samples, name, lo, hi, warm, a.compare_s), warmup_s=round(warm, 1))
     services = ("redis", "verifier", "drafter", "gateway")
-    measured = {k: v for k, v in growth.items() if v.get("measured") and k.split()[0] in services}
-    rss_ok = bool(measured) and all(v["growth"] < a.rss_limit for v in measured.values())
+    measured = {k: v for k, v in growth.items() if v.get("measured") and k.split()[0].split("-")[0] in services}
+    rss_ok = bool(measured) and all(v["growth"] <= a.rss_limit for v in measured.values())
+    # every service sampled each minute: the median of the minute's samples (MiB; a restarted
+    # process's minutes are its new process's after the restart)
+    rss_per_minute = {"minute": [], **{n: [] for n in samples[0]["rss_bytes"]}} if samples else {}
+    for m in range(int(load_end // 60) + 1):
+        xs = [x for x in samples if m * 60 <= x["t_s"] < (m + 1) * 60]
+        if not xs:
+            continue
+        rss_per_minute["minute"].append(m)
+        for n in samples[0]["rss_bytes"]:
+            vals = [x["rss_bytes"].get(n) for x in xs if x["rss_bytes"].get(n)]
+            rss_per_minute[n].append(round(statistics.median(vals) / 2**20, 1) if vals else None)
     tr = rec.transcripts
     goals = {
         "zero_unexpected": {"met": totals["unexpected"] == 0, "unexpected": totals["unexpected"]},
@@ -1241,9 +1399,17 @@ def run_load(stack: Stack, a, stop_ev: threading.Event, meta: dict) -> dict | No
                                "first_mismatches": rec.greedy_mismatches[:10]},
         "leak": leak, "kv_blocks_used_at_end": kv_end, "final_sample": final_sample,
         "gateway_request_counters": gateway_counts,
-        "rss_growth": growth, "restart": restart_rel,
+        "rss_growth": growth, "rss_per_minute_mb": rss_per_minute, "restarts": restarts_rel,
+        "expected_503": {
+            "definition": "a request whose [start, end] overlaps a verifier restart's window (from the "
+                          f"SIGKILL/SIGTERM to {a.restart_grace_s:g} s after the new process is healthy) and "
+                          "that got HTTP 503 with a Retry-After of delta-seconds, an SSE error event with code "
+                          "503 (a stream that had begun), or gRPC UNAVAILABLE; any other 5xx, or a 503 outside "
+                          "the windows or without Retry-After, is unexpected",
+            "windows_s": [[round(lo, 2), round(hi, 2)] for lo, hi in rec.restart_windows],
+            "count": totals["expected_503"], "by_form": dict(rec.expected_503)},
         "unexpected_errors": {"count": len(rec.unexpected), "first": rec.unexpected[:30]},
-        "windows": windows(rec, samples, a.window_s, restart_rel),
+        "windows": windows(rec, samples, a.window_s),
     }
 
 
@@ -1253,15 +1419,17 @@ def print_summary(res: dict, path: Path, png: Path) -> None:
     print(f"\nsoak: {t['all']} requests: " + ", ".join(f"{o} {t[o]}" for o in OUTCOMES)
           + f"; ok latency p50/p95/p99 {t['ok_latency_ms']['p50']}/{t['ok_latency_ms']['p95']}/"
             f"{t['ok_latency_ms']['p99']} ms")
-    if res["restart"]:
-        rs = res["restart"]
-        print(f"soak: drafter down {rs['down_s']} s; requests around it: {rs['requests_overlapping_the_restart']}"
-              f" ({rs['ok_with_drafter_fallback']} ok with fallback)")
+    for rs in res["restarts"]:
+        fb = f" ({rs['ok_with_drafter_fallback']} ok with fallback)" if "ok_with_drafter_fallback" in rs else ""
+        print(f"soak: {rs['name']} down {rs['down_s']} s at {rs['t_down_s']} s; requests overlapping "
+              f"{rs['window_s']}: {rs['requests_overlapping_the_restart']}{fb}")
+    print(f"soak: expected 503s: {res['expected_503']['count']} {res['expected_503']['by_form']}")
     print(f"soak: transcripts intact {g['transcripts_intact']['intact']}/{g['transcripts_intact']['checked']}; "
           f"leak check {res['leak']}")
     for name, v in res["rss_growth"].items():
         if v.get("measured"):
-            print(f"soak: RSS {name}: {v['first_mb']} -> {v['last_mb']} MiB ({v['growth']:+.1%})")
+            print(f"soak: RSS {name}: {v['first_mb']} -> {v['last_mb']} MiB ({v['growth']:+.2%}; "
+                  f"{v['first_window_s']} vs {v['last_window_s']} s)")
         else:
             print(f"soak: RSS {name}: not measured ({v['why']})")
     print(f"soak: greedy consistency: {res['greedy_consistency']['compared']} compared, "
