@@ -383,10 +383,15 @@ class Gateway:
         self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s)
         self.metrics.queued.set_function(lambda: self.admission.waiting)
         self._decoders: dict[tuple, Decoder] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the decoders (decoder() holds it over a replica's first info call)
+        # the latest readiness check, (checked, ok, details, stale_since), stale_since = since which
+        # check every verifier has served another revision (None: not so). readiness() builds a new
+        # tuple and publishes it with one assignment; readers take the reference without a lock, so
+        # the liveness probe (stale_pairing) never waits on _lock, which decoder() holds over a remote
+        # call. _publish orders the publications and is held over no remote call.
         self._ready_cache: tuple | None = None
+        self._publish = threading.Lock()
         self.draining = False  # SIGTERM: not ready, no new generations; in-flight ones finish
-        self._stale_since: float | None = None  # since when every verifier serves another revision
         v = placement.any_client("verifier")
         self.model_name = v.info().get("model_name", "target") if v is not None else "target"
         d = placement.any_client("drafter")
@@ -444,8 +449,7 @@ class Gateway:
         if self.draining:
             return False, {"draining": True}
         now = time.monotonic()
-        with self._lock:
-            cached = self._ready_cache
+        cached = self._ready_cache  # (published whole: no lock)
         if cached is not None and now - cached[0] < max_age_s:
             return cached[1], cached[2]
         details: dict = {"redis": "ok" if self.store.ping() else "unreachable"}
@@ -464,8 +468,13 @@ class Gateway:
             details[kind + "s"] = states
             if kind == "verifier" and (not states or any(s != "SERVING" for s in states.values())):
                 ok = False
-        with self._lock:
-            self._ready_cache = (time.monotonic(), ok, details)
+        states = details.get("verifiers") or {}
+        stale = bool(states) and all(s.startswith("REFUSED") for s in states.values())
+        with self._publish:  # prev is read here: a check published meanwhile may have started the stale spell
+            prev = self._ready_cache
+            checked = time.monotonic()
+            since = (prev[3] if prev is not None and prev[3] is not None else checked) if stale else None
+            self._ready_cache = (checked, ok, details, since)
         self.forget_gone_pods()  # (the readiness probe runs this every few seconds)
         return ok, details
 
@@ -487,25 +496,17 @@ class Gateway:
         request could be served until then. Any replica at the paired revision, down or draining,
         or a model of another name, is not stale: those are the readiness probe's business.
 
-        It reads what the latest readiness check found (the readiness probe runs one every few
-        seconds) and calls no model server itself: the liveness probe that asks must never wait on,
-        or fail because of, a slow verifier."""
+        It reads what the latest readiness check published (the readiness probe runs one every few
+        seconds), takes no lock and calls no model server itself: the liveness probe that asks must
+        never wait on, or fail because of, a slow verifier -- nor on a decoder() that waits on one."""
         limit = self.cfg.stale_pairing_restart_s
-        with self._lock:
-            cached = self._ready_cache
-            if not limit > 0 or cached is None:
-                return None
-            checked, details = cached[0], cached[2]
-            states = details.get("verifiers") or {}
-            refused = [s for s in states.values() if s.startswith("REFUSED")]
-            if not states or len(refused) < len(states):
-                self._stale_since = None
-                return None
-            if self._stale_since is None:
-                self._stale_since = checked
-            since = self._stale_since
+        cached = self._ready_cache  # (published whole by readiness(): no lock)
+        if not limit > 0 or cached is None or cached[3] is None:
+            return None
+        checked, details, since = cached[0], cached[2], cached[3]
         if checked - since < limit:
             return None
+        refused = [s for s in details["verifiers"].values() if s.startswith("REFUSED")]
         return (f"every verifier has served another revision for {checked - since:.0f} s: "
                 f"{refused[0][len('REFUSED ('):-1]}")
 

@@ -745,9 +745,9 @@ class RestApi:
         """Liveness: the process answers -- unless its pairing went stale (every verifier serves
         another revision, Gateway.stale_pairing): then 503, so that the orchestrator restarts it.
 
-        stale_pairing() reads what the last readiness check found and calls nothing remote; it runs
-        in a thread of this probe's own limiter (it takes the gateway's lock), so that the answer
-        waits for no generation work."""
+        stale_pairing() reads what the last readiness check published, takes no lock and calls
+        nothing remote; it runs in a thread of this probe's own limiter, so that the answer waits
+        for no generation work."""
         g = self.gw_ref()
         if g is not None and g.cfg.stale_pairing_restart_s > 0:
             why = await anyio.to_thread.run_sync(g.stale_pairing, limiter=self._liveness)

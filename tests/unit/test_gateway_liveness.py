@@ -1,0 +1,101 @@
+"""The gateway's liveness probe (/healthz, Gateway.stale_pairing) answers while decoder() waits on a
+model server: decoder() holds the gateway's lock over a replica's first info call (a remote call
+that takes as long as a slow server does), and the probe reads what the readiness check
+published without that lock. Real gRPC verifier servers in this process; the one a decoder is
+paired with holds its info call until the test releases it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent import futures
+from types import SimpleNamespace
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from crossdraft.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from gateway.clients import RemoteVerifier
+from gateway.core import Gateway, GatewayConfig
+from gateway.discovery import Placement, Pool
+from gateway.rest import RestApi
+
+GUARD_S = 60.0  # (only against a hung test: no assertion below reads a clock)
+
+
+class _Verifier(verifier_pb2_grpc.VerifierServiceServicer):
+    """A verifier's info service (model "m" at `revision`); with ``hold`` its info call blocks
+    until ``release`` is set, ``entered`` saying it has started."""
+
+    def __init__(self, revision: str, hold: bool = False):
+        self.revision, self.hold = revision, hold
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def GetVerifierInfo(self, request, context):
+        if self.hold:
+            self.entered.set()
+            self.release.wait()
+        return verifier_pb2.GetVerifierInfoResponse(info=common_pb2.ModelInfo(model_name="m", revision=self.revision))
+
+
+def _serve(servicer: _Verifier):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+    h = health.HealthServicer()
+    h.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(h, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
+    a, slow = _Verifier("r1"), _Verifier("r1", hold=True)
+    (sa, addr_a), (sb, addr_b) = _serve(a), _serve(slow)
+    placement = Placement(Pool("verifier", [addr_a]), None, RemoteVerifier, None)
+    decoding = None
+    try:
+        # a pair without a drafter; a Redis that answers (readiness pings it)
+        gw = Gateway(GatewayConfig(verifier=addr_a, redis_url="redis://unused", stale_pairing_restart_s=1e-6),
+                     SimpleNamespace(drafter_tok=None), placement, SimpleNamespace(ping=lambda: True))
+        assert gw.model_revision == "r1" and gw.readiness(max_age_s=0)[0]
+        # the only verifier in the pool now serves another revision: two readiness checks (any time
+        # apart exceeds the 1 us restart limit) publish a stale pairing for liveness to report
+        a.revision = "r2"
+        assert not gw.readiness(max_age_s=0)[0] and not gw.readiness(max_age_s=0)[0]
+
+        # a request paired with the slow replica: decoder() asks it for its info, under the lock
+        decoding = threading.Thread(target=gw.decoder, args=(addr_b, None), daemon=True)
+        decoding.start()
+        assert slow.entered.wait(GUARD_S)
+
+        answers = {}
+
+        def probe():
+            r = asyncio.run(RestApi(lambda: gw).healthz(None))
+            answers["healthz"] = (r.status_code, json.loads(r.body))
+            answers["stale"] = gw.stale_pairing()
+            answers["ready"] = gw.readiness(max_age_s=3600.0)[0]  # (/readyz's cached answer, too)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        prober.join(GUARD_S)
+        # the probes returned while the info call is provably still held: the server has not been
+        # released, the decoder is still inside decoder(), holding the gateway's lock
+        assert not prober.is_alive(), "the liveness probe waited on decoder()'s remote info call"
+        assert not slow.release.is_set() and decoding.is_alive() and gw._lock.locked()
+        status, body = answers["healthz"]
+        assert status == 503 and body["status"] == "stale pairing", body
+        assert "revision r2" in body["reason"] and "revision r1" in body["reason"], body
+        assert answers["stale"] == body["reason"] and answers["ready"] is False
+    finally:
+        slow.release.set()
+        if decoding is not None:
+            decoding.join(GUARD_S)
+        for c in list(placement.clients.values()):
+            c.close()
+        sa.stop(None)
+        sb.stop(None)
+    # released, the decoder pairs the slow replica (same model, same revision as paired)
+    assert not decoding.is_alive() and (addr_b, None) in gw._decoders
