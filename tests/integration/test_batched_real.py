@@ -15,8 +15,7 @@ import pytest
 import requests
 
 from crossdraft.client import Client
-from crossdraft.redis_server import RedisServer
-from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
+from tests.integration.conftest import start_stack
 
 pytestmark = pytest.mark.real_models
 
@@ -28,39 +27,15 @@ PROMPTS = ["def fibonacci(n):\n", "The three primary colors are", "SELECT name F
 N = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def static_costs():
-    """Drafts must be verified in shared batches here. With measured costs eight fp32 sessions on
-    a CPU would (rightly) stop drafting: no acceptance pays at that load (tests/unit/test_policy.py,
-    tests/unit/test_decoder_start.py). Static costs ignore the load, so the sessions draft."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CROSSDRAFT_COST_PROFILE", "static")
-    yield
-    mp.undo()
-
-
 @pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
 def stack(request, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("batched-real")
-    redis = RedisServer().start()
-    procs = []
-    try:
-        mport = free_port()
-        v, vaddr = model_server("verifier", request.param, logs, dtype="float32",
-                                extra=["--metrics-port", str(mport)])
-        procs.append(v)
-        d, daddr = model_server("drafter", DRAFTER, logs, dtype="float32")
-        procs.append(d)
-        wait_grpc_healthy(vaddr, v, timeout=300)
-        wait_grpc_healthy(daddr, d, timeout=300)
-        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, logs, drafter_timeout_s=60)
-        procs.append(g)
-        wait_http_ready(http, g, timeout=300)
-        yield grpc_addr, f"http://127.0.0.1:{mport}/metrics"
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+    """The qwen target's stack is the package's shared one (tests/integration/conftest.py); the
+    gemma one lives for this module. Both run with static costs: with measured costs eight fp32
+    sessions on a CPU would (rightly) stop drafting, and shared batches of drafts are what is tested."""
+    if request.param == "qwen2.5-coder-0.5b":
+        yield request.getfixturevalue("qwen_stack")
+    else:
+        yield from start_stack(request.param, DRAFTER, tmp_path_factory.mktemp("batched-real"), [])
 
 
 def _generate(addr, prompt):
@@ -80,11 +55,13 @@ def _rows_histogram(metrics_url) -> tuple[float, float]:
 
 
 def test_eight_concurrent_clients_get_the_tokens_they_get_alone(stack):
-    addr, metrics = stack
+    addr, metrics = stack.grpc, stack.metrics
     alone = [_generate(addr, p) for p in PROMPTS]
     assert all(len(r.token_ids) > 0 for r in alone)
     f0, r0 = _rows_histogram(metrics)
-    assert r0 == f0 > 0  # one at a time: every forward held one session
+    # one at a time: every forward held one session (the shared stack's earlier users send one
+    # request at a time too, so its counters from before this test hold one session per forward)
+    assert r0 == f0 > 0
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
         together = list(ex.map(lambda p: _generate(addr, p), PROMPTS))
     for p, a, t in zip(PROMPTS, alone, together, strict=True):

@@ -41,8 +41,8 @@ def test_smollm2_forward_logits_width(smollm2):
     assert torch.isfinite(logits).all()
 
 
-def test_qwen_coder_05b_eos_ids():
-    lm = load_model("qwen2.5-coder-0.5b")
+def test_qwen_coder_05b_eos_ids(catalog_model):
+    lm = catalog_model("qwen2.5-coder-0.5b")  # fp32, the package's shared copy (tests/integration/conftest.py)
     vocab = lm.tokenizer.get_vocab()
     assert 151643 in lm.eos_token_ids  # <|endoftext|>: ends a completion though the GGUF names only <|im_end|>
     assert vocab["<|endoftext|>"] == 151643

@@ -28,29 +28,28 @@ PROMPTS = [
     # emits tokens the drafter can never propose and the drafter must re-sync from text.
     "请用中文回答：天空为什么是蓝色的？",
 ]
-N_TOKENS = 32
+N_TOKENS = 24  # as tests/integration/test_services_real.py: the target-only references are shared
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return M.load_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"])
+def smol(catalog_model):
+    return catalog_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"])
 
 
 @pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
-def engine(request, smol):
+def engine(request, smol, catalog_model):
     # fp32 target: verification and target-only decoding then agree to the last bit that matters
-    target = M.load_model(request.param, dtype=torch.float32)
-    return Engine(target, smol)
+    return Engine(catalog_model(request.param, dtype=torch.float32), smol)
 
 
-def test_greedy_identical_to_target_only(engine):
+def test_greedy_identical_to_target_only(engine, target_only):
     outside_total = 0
     for prompt in PROMPTS:
-        ref = engine.generate(prompt, max_new_tokens=N_TOKENS, use_drafter=False)
+        ref = target_only(engine, prompt, N_TOKENS)
         # TLI drafting (the intersection) and text drafting (greedy: drafted text re-encoded)
         for mode in ("tli", "text"):
             # static costs: with measured ones this pair near its break-even (a smollm2 step ~0.7 of
-            # a gemma3 one) rightly drafts nothing in 32 tokens, and drafting is what is tested here
+            # a gemma3 one) rightly drafts nothing in 24 tokens, and drafting is what is tested here
             out = engine.generate(prompt, max_new_tokens=N_TOKENS,
                                   draft=DraftConfig(num_draft_tokens=4, mode=mode, cost_model="static"))
             assert out.token_ids == ref.token_ids, f"{mode} diverged on {prompt!r}"
@@ -99,11 +98,11 @@ def test_coupled_sampling_identical_to_target_only(engine):
 
 
 @pytest.fixture(scope="module")
-def smol_int8():
-    return M.load_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize="int8")
+def smol_int8(catalog_model):
+    return catalog_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize="int8")
 
 
-def test_an_int8_drafter_changes_speed_only(engine, smol_int8):
+def test_an_int8_drafter_changes_speed_only(engine, smol_int8, target_only):
     """smollm2-135m with int8 weight copies (crossdraft/quant.py) drafting for a real fp32 target:
     greedy output identical to the target alone, drafts accepted, steps through the int8 kernel."""
     from crossdraft import quant
@@ -113,19 +112,13 @@ def test_an_int8_drafter_changes_speed_only(engine, smol_int8):
     before = quant.int8_calls(smol_int8.model)
     accepted = 0
     for prompt in PROMPTS[:2]:
-        ref = engine.generate(prompt, max_new_tokens=N_TOKENS, use_drafter=False)
+        ref = target_only(engine, prompt, N_TOKENS)
         out = eng.generate(prompt, max_new_tokens=N_TOKENS, draft=DraftConfig(num_draft_tokens=4, adaptive=False))
         assert out.token_ids == ref.token_ids
         assert out.stats.drafted > 0
         accepted += out.stats.accepted
     assert accepted > 0
     assert quant.int8_calls(smol_int8.model) > before
-    if engine.target.name == "gemma3-270m":  # the CLI flag, once
-        r = _cli("generate", "--target", "gemma3-270m", "--drafter", "smollm2-135m", "--prompt", PROMPTS[1],
-                 "--max-new-tokens", "12", "--target-dtype", "float32", "--drafter-quantize", "int8", "--json")
-        assert r.returncode == 0, r.stderr
-        ref = engine.generate(PROMPTS[1], max_new_tokens=12, use_drafter=False)
-        assert json.loads(r.stdout)["token_ids"] == ref.token_ids
 
 
 def _cli(*args, timeout=600):
@@ -134,13 +127,15 @@ def _cli(*args, timeout=600):
                           timeout=timeout, env=env)
 
 
-def test_cli_generate_json_matches_engine(engine):
+def test_cli_generate_json_matches_engine(engine, target_only):
     name = engine.target.name
+    # the int8 drafter flag rides on one of the two runs (a CLI run loads both models: ~15 s)
+    int8 = ["--drafter-quantize", "int8"] if name == "gemma3-270m" else []
     r = _cli("generate", "--target", name, "--drafter", "smollm2-135m", "--prompt", PROMPTS[1],
-             "--max-new-tokens", "12", "--target-dtype", "float32", "--json")
+             "--max-new-tokens", "12", "--target-dtype", "float32", "--json", *int8)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    ref = engine.generate(PROMPTS[1], max_new_tokens=12, use_drafter=False)
+    ref = target_only(engine, PROMPTS[1], 12)
     assert out["token_ids"] == ref.token_ids
     assert out["text"] == ref.text
     assert out["stats"]["drafted"] > 0 and "acceptance_rate" in out["stats"]
