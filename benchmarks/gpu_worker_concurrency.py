@@ -1,6 +1,6 @@
 """GPU benchmark of the verifier's own serving path: C sessions verifying at once, batched or not.
 
-Unlike gpu_verify_batch.py (one batched_forward call), this drives crossdraft.workers.VerifierWorker
+Unlike gpu_verify_batch.py (one batched_forward call), this drives crossdraft.runtime.workers.VerifierWorker
 exactly as the gRPC handlers do: C client threads, each with its own session (a 512-token history),
 call ``verify`` with 8 drafts per round, round after round; the worker either batches their forwards
 through its BatchScheduler and paged KV pool -- with its forwards replayed as CUDA graphs per shape
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 @dataclass
 class Loaded:
-    """What a worker reads of crossdraft.models.LoadedModel (no tokenizer needed to verify)."""
+    """What a worker reads of crossdraft.models.catalog.LoadedModel (no tokenizer needed to verify)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -43,7 +43,7 @@ class Loaded:
 
 
 def run_point(worker, c: int, rounds: int, ctx: int, vocab: int, k: int) -> dict:
-    from crossdraft.sampling import SamplingParams
+    from crossdraft.decoding.sampling import SamplingParams
 
     rng = np.random.default_rng(c)
     sids = [f"c{c}-s{i}" for i in range(c)]
@@ -91,14 +91,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--modes", default="graphs,batched,unbatched",
-                    help="graphs: batched with CUDA graphs per shape bucket (crossdraft.graphs; emulated on a CPU); "
+                    help="graphs: batched with CUDA graphs per shape bucket (crossdraft.runtime.graphs; "
+                    "emulated on a CPU); "
                          "batched: batched, eager; unbatched: one forward at a time")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     from benchmarks.gpu_verify_batch import build_model
-    from crossdraft.batching import BatchConfig
-    from crossdraft.workers import VerifierWorker, WorkerConfig
+    from crossdraft.runtime.batching import BatchConfig
+    from crossdraft.runtime.workers import VerifierWorker, WorkerConfig
 
     model, cfg, device, dtype, tf_version = build_model(args.cpu_smoke)
     loaded = Loaded(model, None, "random-8b-shape" if not args.cpu_smoke else "tiny", device, dtype, frozenset(),

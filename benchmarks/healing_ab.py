@@ -1,7 +1,7 @@
 """Token healing A/B: acceptance of text drafting with and without healing, side by side.
 
 Fixed blocks (k = 4, no adaptive policy) so that both arms draft in every round and the only
-difference is healing (crossdraft.healing); acceptance and target tokens per round are the
+difference is healing (crossdraft.vocab.healing); acceptance and target tokens per round are the
 measures (a round's forwards are the same in both arms: healing adds none). Greedy, in process.
 
 Usage: python benchmarks/healing_ab.py [--target qwen2.5-coder-1.5b] [--drafters smollm2-135m,gemma3-270m]
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import MIXED_PROMPTS, git_commit, humaneval_prompts  # noqa: E402
 
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.models import fast_dtype, load_model  # noqa: E402
+from crossdraft.models.catalog import fast_dtype, load_model  # noqa: E402
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import _cpu_name, git_commit  # noqa: E402
 from bench_concurrency import Service, baseline_checkout  # noqa: E402
 
-from crossdraft.redis_server import RedisServer  # noqa: E402
+from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
 PROMPT = "The quick brown fox"

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from crossdraft.policy import DraftConfig, DraftPolicy  # noqa: E402
+from crossdraft.decoding.policy import DraftConfig, DraftPolicy  # noqa: E402
 
 
 def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: list[float],
@@ -45,7 +45,7 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
     if carry:  # what the decoder carries from one request to the next (the probes' record)
         pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n = carry["probes"]
     k = pol.hi if pol.confident else cfg.num_draft_tokens
-    # as the round loop starts a request (crossdraft.decode.Decoder._start), one session alone (the
+    # as the round loop starts a request (crossdraft.decoding.decode.Decoder._start), one session alone (the
     # traces do not record the prompt's length: its drafter prefill is priced as one token)
     if cfg.adaptive and cfg.allow_skip and not (pol.could_pay() and pol.worth_probing(len(match))):
         k = 0
@@ -95,15 +95,15 @@ def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int, q
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench  # noqa: E402
 
-    from crossdraft import costs
-    from crossdraft import models as M
     from crossdraft.engine import Engine
+    from crossdraft.models import catalog as M
+    from crossdraft.runtime import costs
 
     prompts = bench.prompt_set("humaneval+mixed", n_prompts)
     t = M.load_model(target, dtype=M.fast_dtype("cpu"))
     d = M.load_model(drafter, dtype=M.fast_dtype("cpu"), quantize=quantize)
     if d.quantize == "int8":  # teacher-forced: every row through the int8 kernel, as the drafter's steps run
-        from crossdraft import quant
+        from crossdraft.models import quant
 
         quant.set_max_rows(d.model, 1 << 30)
     if t.tokenizer.get_vocab() != d.tokenizer.get_vocab():
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="per prompt set (HumanEval + mixed)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--drafter-quantize", default="none", choices=("none", "int8"),
-                    help="record with the drafter's int8 weights (crossdraft/quant.py)")
+                    help="record with the drafter's int8 weights (crossdraft/models/quant.py)")
     a = ap.parse_args()
     if a.record:
         record(a.traces, a.target, a.drafter, a.prompts, a.max_new_tokens, a.drafter_quantize)

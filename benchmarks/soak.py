@@ -94,7 +94,7 @@ import redis  # noqa: E402
 import requests  # noqa: E402
 
 from crossdraft.client import Client  # noqa: E402
-from crossdraft.redis_server import RedisServer  # noqa: E402
+from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import Proc, free_port, wait_grpc_healthy, wait_http_ready  # noqa: E402
 
 OUTCOMES = ("ok", "expected_4xx", "cancelled", "429", "expected_503", "unexpected")

@@ -1,8 +1,8 @@
 """crossdraft: lossless speculative decoding across different vocabularies (UAG-TLI).
 
 The core package holds transport-free pieces shared by the CLI, the in-process engine and the
-services: sampling + acceptance math (:mod:`crossdraft.sampling`), vocabulary mapping
-(:mod:`crossdraft.vocab`), model loading and the catalog (:mod:`crossdraft.models`) and the
+services: sampling + acceptance math (:mod:`crossdraft.decoding.sampling`), vocabulary mapping
+(:mod:`crossdraft.vocab.mapping`), model loading and the catalog (:mod:`crossdraft.models.catalog`) and the
 reference engine (:mod:`crossdraft.engine`).
 """
 

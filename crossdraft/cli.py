@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from .argtypes import INT63, int_arg
-from .errors import CrossdraftError, InvalidArgument
-from .policy import DEFAULT_DRAFT_VOCAB
+from crossdraft.argtypes import INT63, int_arg
+from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
+from crossdraft.errors import CrossdraftError, InvalidArgument
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tls-server-name", default="", help="the name in the gateway's certificate, if not the address")
     r.add_argument("--timeout-s", type=_float_arg("--timeout-s"), default=600.0)
 
-    from . import up
+    from crossdraft.serving import up
 
     u = sub.add_parser("up", help="run the whole stack on localhost: Redis, drafter, verifier, gateway")
     up.add_arguments(u)
@@ -186,16 +186,16 @@ def cmd_service(a) -> int:
 
 
 def cmd_up(a) -> int:
-    """`crossdraft up`: the whole stack on localhost (see crossdraft.up)."""
-    from . import up
+    """`crossdraft up`: the whole stack on localhost (see crossdraft.serving.up)."""
+    from crossdraft.serving import up
 
     return up.main(a)
 
 
 def _sampling_from_args(a):
     """(SamplingParams, DraftConfig) from the options; max_draft_tokens at least num_draft_tokens."""
-    from .policy import DraftConfig
-    from .sampling import SamplingParams
+    from crossdraft.decoding.policy import DraftConfig
+    from crossdraft.decoding.sampling import SamplingParams
 
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.repetition_penalty,
                             coupled=getattr(a, "draws", "rejection") == "coupled")
@@ -212,8 +212,8 @@ def _sampling_from_args(a):
 
 def cmd_generate(a) -> int:
     """`crossdraft generate`: load the models, generate once, print the text (stats on stderr) or JSON."""
-    from . import models as M
-    from .engine import Engine
+    from crossdraft.engine import Engine
+    from crossdraft.models import catalog as M
 
     params, draft = _sampling_from_args(a)
     if not a.prompt:
@@ -268,7 +268,7 @@ def cmd_request(a) -> int:
     """`crossdraft request`: one generation through a running gateway (API key from CROSSDRAFT_API_KEY)."""
     import grpc
 
-    from .client import Client
+    from crossdraft.client import Client
 
     if not a.prompt:
         raise InvalidArgument("prompt", "must be a non-empty string")
@@ -302,7 +302,7 @@ def cmd_request(a) -> int:
 
 def cmd_models(a) -> int:
     """`crossdraft models list|pull|path`: the model catalog and its local cache."""
-    from . import models as M
+    from crossdraft.models import catalog as M
 
     if a.models_cmd == "list":
         rows = M.list_models()
@@ -326,8 +326,8 @@ def cmd_models(a) -> int:
 
 def _models_download(a) -> int:
     """`crossdraft models download NAME`: a Hub id into the HF cache (the chart's init container), or a pull."""
-    from . import hub
-    from . import models as M
+    from crossdraft.models import catalog as M
+    from crossdraft.models import hub
 
     if not a.name:
         raise InvalidArgument("model", "give a catalog name or a Hub id (or set CROSSDRAFT_MODEL)")
@@ -346,8 +346,8 @@ def _models_download(a) -> int:
 
 def cmd_vocab(a) -> int:
     """`crossdraft vocab`: print the vocabulary report of a target's and a drafter's tokenizers."""
-    from . import models as M
-    from . import vocab as V
+    from crossdraft.models import catalog as M
+    from crossdraft.vocab import mapping as V
 
     M.resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
     M.resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .v1 import gateway_pb2, gateway_pb2_grpc
+from crossdraft.v1 import gateway_pb2, gateway_pb2_grpc
 
 _OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "num_draft_tokens",
             "adaptive_draft", "use_drafter")
@@ -60,7 +60,7 @@ class Client:
                  tls_key_file: str | None = None, tls_server_name: str | None = None, api_key: str | None = None):
         if channel is None:
             if tls or tls_ca_file or tls_cert_file:
-                from .tls import TLSConfig, channel_credentials
+                from crossdraft.serving.tls import TLSConfig, channel_credentials
 
                 creds = channel_credentials(TLSConfig(cert_file=tls_cert_file or "", key_file=tls_key_file or "",
                                                       ca_file=tls_ca_file or ""))

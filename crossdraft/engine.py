@@ -1,8 +1,8 @@
 """The in-process reference engine: target-only, same-vocabulary SD and TLI speculative decoding.
 
 :class:`Engine` loads nothing itself: it takes loaded models, builds the vocabulary pair, one
-in-process worker per model (:mod:`crossdraft.workers`, the same code the model servers run) and
-the round loop (:class:`crossdraft.decode.Decoder`, the same code the gateway runs), so the
+in-process worker per model (:mod:`crossdraft.runtime.workers`, the same code the model servers run) and
+the round loop (:class:`crossdraft.decoding.decode.Decoder`, the same code the gateway runs), so the
 engine and the services produce the same tokens.
 
 Module layering (arrows run one way; tests/unit/test_layout.py checks there is no cycle):
@@ -12,15 +12,15 @@ beside them.
 
 from __future__ import annotations
 
-from .decode import Decoder, GenerationResult, Stats  # noqa: F401  (re-exported)
-from .errors import InvalidArgument
-from .policy import (  # noqa: F401  (DraftConfig re-exported: crossdraft.engine.DraftConfig)
+from crossdraft.decoding.decode import Decoder, GenerationResult, Stats  # noqa: F401  (re-exported)
+from crossdraft.decoding.policy import (  # noqa: F401  (DraftConfig re-exported: crossdraft.engine.DraftConfig)
     DEFAULT_DRAFT_VOCAB,
     DraftConfig,
 )
-from .sampling import SamplingParams
-from .vocab import TokenPair
-from .workers import DrafterWorker, VerifierWorker, WorkerConfig
+from crossdraft.decoding.sampling import SamplingParams
+from crossdraft.errors import InvalidArgument
+from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
+from crossdraft.vocab.mapping import TokenPair
 
 __all__ = ["DraftConfig", "Engine", "GenerationResult", "SamplingParams", "Stats"]
 
@@ -28,9 +28,9 @@ __all__ = ["DraftConfig", "Engine", "GenerationResult", "SamplingParams", "Stats
 class Engine:
     """Speculative decoding with a target and an optional drafter, in one process.
 
-    target / drafter: :class:`crossdraft.models.LoadedModel`-like objects with ``model``,
+    target / drafter: :class:`crossdraft.models.catalog.LoadedModel`-like objects with ``model``,
     ``tokenizer``, ``device``, ``eos_token_ids`` and ``vocab_size``. The round loop is
-    :class:`crossdraft.decode.Decoder` over in-process workers -- the same code the gateway runs
+    :class:`crossdraft.decoding.decode.Decoder` over in-process workers -- the same code the gateway runs
     over gRPC, so both produce the same tokens.
     """
 

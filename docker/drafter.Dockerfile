@@ -120,7 +120,7 @@ EXPOSE 50061 9091
 # model (failures during the start period do not count). Checks 127.0.0.1, so keep
 # CROSSDRAFT_HOST at 0.0.0.0 (or a loopback-reachable address). Imports no torch: fast.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
-    CMD ["python", "-m", "crossdraft.healthcheck", "drafter"]
+    CMD ["python", "-m", "crossdraft.serving.healthcheck", "drafter"]
 
 ENTRYPOINT ["python", "-m", "drafter"]
 CMD []

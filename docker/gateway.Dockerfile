@@ -7,7 +7,7 @@
 # or all three images at once: docker/build.sh
 #
 # Slim and CPU-only: the gateway never runs a model, but it imports torch transitively
-# (gateway.core -> crossdraft.decode -> crossdraft.engine / crossdraft.workers -> torch), so
+# (gateway.core -> crossdraft.decoding, whose sampling math runs on torch tensors), so
 # it gets the CPU torch wheel (~200 MB) instead of the CUDA one (GBs of nvidia-* wheels).
 # BASE_IMAGE: pin a digest in production (python:3.11.14-slim-bookworm@sha256:...).
 #
@@ -103,7 +103,7 @@ EXPOSE 8000 50051
 # model servers (CROSSDRAFT_CONNECT_TIMEOUT_S, 900 s by default). No curl in the image: urllib
 # (proxies bypassed: the check is for this container, whatever HTTP_PROXY says).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
-    CMD ["python", "-m", "crossdraft.healthcheck", "gateway"]
+    CMD ["python", "-m", "crossdraft.serving.healthcheck", "gateway"]
 
 ENTRYPOINT ["python", "-m", "gateway"]
 CMD []

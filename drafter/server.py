@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from crossdraft import modelserver
+from crossdraft.serving import modelserver
 from crossdraft.v1 import drafter_pb2_grpc
-from crossdraft.workers import DrafterWorker
 
 from .service import DrafterServicer
 
@@ -13,5 +12,5 @@ DEFAULT_PORT = 50061
 
 
 def main(argv=None) -> int:
-    return modelserver.main("drafter", DEFAULT_PORT, SERVICE_NAME, DrafterServicer(), DrafterWorker,
+    return modelserver.main("drafter", DEFAULT_PORT, SERVICE_NAME, DrafterServicer(),
                             drafter_pb2_grpc.add_DrafterServiceServicer_to_server, argv)

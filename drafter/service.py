@@ -1,4 +1,4 @@
-"""DrafterService servicer: translates messages to :class:`crossdraft.workers.DrafterWorker` calls."""
+"""DrafterService servicer: translates messages to :class:`crossdraft.runtime.workers.DrafterWorker` calls."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 from prometheus_client import Counter, Histogram
 
-from crossdraft import wire
 from crossdraft.errors import InvalidArgument
-from crossdraft.modelserver import Loading
+from crossdraft.serving import wire
+from crossdraft.serving.modelserver import Loading
 from crossdraft.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 DRAFT_TOKENS = Counter("crossdraft_drafter_tokens_total", "Draft tokens proposed")

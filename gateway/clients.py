@@ -1,7 +1,7 @@
 """gRPC clients of the drafter and verifier services, shaped as the round loop's ports.
 
-They have the signatures of :class:`crossdraft.workers.DrafterWorker` / ``VerifierWorker`` so that
-:class:`crossdraft.decode.Decoder` runs the same code in process and here. gRPC failures become
+They have the signatures of :class:`crossdraft.runtime.workers.DrafterWorker` / ``VerifierWorker`` so that
+:class:`crossdraft.decoding.decode.Decoder` runs the same code in process and here. gRPC failures become
 core errors: NOT_FOUND -> NotFound and FAILED_PRECONDITION -> FailedPrecondition (the loop
 re-syncs), INVALID_ARGUMENT -> InvalidArgument, RESOURCE_EXHAUSTED -> ResourceExhausted (a model
 server's KV pool is full of busy sessions: HTTP 429), anything else -> Unavailable.
@@ -16,12 +16,11 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
-from crossdraft import rpc, wire
+from crossdraft.decoding.messages import DraftToken, VerifyReply
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from crossdraft.sessions import DraftToken
-from crossdraft.tls import FileWatch
+from crossdraft.serving import rpc, wire
+from crossdraft.serving.tls import FileWatch
 from crossdraft.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from crossdraft.workers import VerifyReply
 
 log = logging.getLogger("crossdraft.gateway")
 ROTATION_GRACE_S = 120.0  # a replaced channel stays open this long for the calls still on it
@@ -51,7 +50,7 @@ class _Remote:
     stub_class = None  # the service's generated stub
 
     def __init__(self, address: str, tracer=None, timeout_s: float = 60.0, tls=None):
-        """tls: a crossdraft.tls.TLSConfig (the servers' CA, this client's certificate) or None."""
+        """tls: a crossdraft.serving.tls.TLSConfig (the servers' CA, this client's certificate) or None."""
         self.address = address
         self.tls = tls if tls is not None and tls.enabled else None
         self.channel = rpc.client_channel(address, tls=self.tls)

@@ -18,7 +18,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from crossdraft.decode import Decoder, check_stop
+from crossdraft.decoding.decode import Decoder, check_stop
+from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB, DraftConfig
+from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import (
     InvalidArgument,
     NotFound,
@@ -29,10 +31,8 @@ from crossdraft.errors import (
     check_number,
     check_session_id,
 )
-from crossdraft.policy import DEFAULT_DRAFT_VOCAB, DraftConfig
-from crossdraft.sampling import SamplingParams
-from crossdraft.tls import TLSConfig
-from crossdraft.vocab import TokenPair
+from crossdraft.serving.tls import TLSConfig
+from crossdraft.vocab.mapping import TokenPair
 
 from .sessions import RedisSessionStore, Session, server_session_id
 

@@ -1,7 +1,7 @@
 """The REST API as an OpenAPI 3.1 document (served at ``GET /openapi.json``).
 
 Written by hand next to the handlers in :mod:`gateway.rest` and kept true by tests: every route of
-the app is described here and nothing else (``tests/unit/test_openapi.py``), and a property-based
+the app is described here and nothing else (``tests/unit/gateway/test_openapi.py``), and a property-based
 run of this document against a real gateway finds no 5xx, no undocumented status code and no
 response that breaks its schema (``tests/e2e/test_openapi_fuzz.py``).
 """

@@ -10,9 +10,9 @@ import threading
 import time
 
 from crossdraft.argtypes import float_arg, int_arg, port_arg
+from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.errors import CrossdraftError, InvalidArgument
-from crossdraft.policy import DEFAULT_DRAFT_VOCAB
-from crossdraft.tls import TLSConfig
+from crossdraft.serving.tls import TLSConfig
 
 from .core import GatewayConfig
 
@@ -183,7 +183,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
-    from crossdraft.models import load_tokenizer
+    from crossdraft.models.catalog import load_tokenizer
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
@@ -260,8 +260,8 @@ def bound_caches(pair, words: int = TOKENIZER_CACHE_WORDS, memo: int = MEMO_ENTR
 
 
 def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
-    """The gateway's TokenPair (crossdraft.vocab), its caches bounded (:func:`bound_caches`)."""
-    from crossdraft.vocab import TokenPair
+    """The gateway's TokenPair (crossdraft.vocab.mapping), its caches bounded (:func:`bound_caches`)."""
+    from crossdraft.vocab.mapping import TokenPair
 
     pair = TokenPair(t_tok, d_tok, target_vocab, drafter_vocab, **kw)
     bound_caches(pair)
@@ -270,7 +270,7 @@ def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
 
 def _first_healthy(placement, kind: str, timeout_s: float):
     """A client of the first pod of `kind` that answers its health check (waits for the pool)."""
-    from crossdraft import rpc
+    from crossdraft.serving import rpc
 
     t0 = time.time()
     pool = placement.pools[kind]
@@ -290,7 +290,7 @@ def _remote_tokenizer(client):
 
     from transformers import AutoTokenizer
 
-    from crossdraft.models import crossdraft_home
+    from crossdraft.home import crossdraft_home
 
     info = client.info()
     # keyed by the files, not only the vocabulary: the same vocabulary may come with another chat
@@ -323,7 +323,7 @@ def _remote_tokenizer(client):
 
 
 def _check_digest(tok, info, who: str) -> None:
-    from crossdraft.vocab import tokenizer_digest
+    from crossdraft.vocab.mapping import tokenizer_digest
 
     if info["tokenizer_digest"] and tokenizer_digest(tok) != info["tokenizer_digest"]:
         raise CrossdraftError(f"the {who} tokenizer differs from the one the {who} server uses ({info['model_name']}); "
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
         memtrace.install_signal()
     import uvicorn
 
-    from crossdraft import rpc, telemetry
+    from crossdraft.serving import rpc, telemetry
     from crossdraft.v1 import gateway_pb2_grpc
 
     from .rest import build_app
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off", **tls_kw)
     tls_stop = threading.Event()
     if cfg.tls.cert_file:
-        from crossdraft.tls import watch_ssl_context
+        from crossdraft.serving.tls import watch_ssl_context
 
         ucfg.load()  # builds the SSLContext now, so that a rotated certificate can be loaded into it
         watch_ssl_context(ucfg.ssl, cfg.tls, tls_stop)

@@ -1,7 +1,7 @@
 """The whole test session runs under its own temporary $CROSSDRAFT_HOME.
 
 crossdraft caches vocabulary mappings, tokenizers fetched from model servers, cost tables and
-pulled models under $CROSSDRAFT_HOME (crossdraft.models.crossdraft_home). The tests set it in
+pulled models under $CROSSDRAFT_HOME (crossdraft.home.crossdraft_home). The tests set it in
 pytest_configure, before collection, to a fresh directory, so that in-process engines and every
 service process a fixture starts (they inherit os.environ) write there and not into the user's
 cache. The pulled catalog models (`make models`) and their downloaded wheels are symlinked into it
@@ -42,7 +42,7 @@ def _listing(root: Path) -> dict[str, tuple[int, int]]:
 def _link_pulled(real: Path, home: Path) -> None:
     """Symlink the complete models (their completion marker is there) and the wheels of ``real``
     into ``home``; unfinished work (``.tmp-*``, ``.trash-*``) stays out."""
-    from crossdraft.models import MARKER_FILE
+    from crossdraft.models.catalog import MARKER_FILE
 
     for sub, keep in (("models", lambda p: p.is_dir() and (p / MARKER_FILE).is_file()),
                       ("downloads", lambda p: p.is_file() and p.suffix == ".whl")):
@@ -57,7 +57,7 @@ def _link_pulled(real: Path, home: Path) -> None:
 
 
 def pytest_configure(config):
-    from crossdraft.models import crossdraft_home
+    from crossdraft.home import crossdraft_home
 
     real = crossdraft_home()
     home = Path(tempfile.mkdtemp(prefix="crossdraft-home-"))

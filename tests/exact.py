@@ -1,9 +1,9 @@
 """Exact losslessness checks of speculative sampling, on the rows real decoding produces.
 
-A :class:`Capture` spies on a real run (``Engine.generate`` or a :class:`crossdraft.decode.Decoder`
+A :class:`Capture` spies on a real run (``Engine.generate`` or a :class:`crossdraft.decoding.decode.Decoder`
 over real workers) and records, per verification round, what the code computed: the target's
-context, the drafts, the p rows and q rows handed to :func:`crossdraft.sampling.verify_sampling`
-(or the processed rows handed to :func:`crossdraft.coupled.verify_coupled`), and, per drafter
+context, the drafts, the p rows and q rows handed to :func:`crossdraft.decoding.sampling.verify_sampling`
+(or the processed rows handed to :func:`crossdraft.decoding.coupled.verify_coupled`), and, per drafter
 block, the distribution each proposal was sampled from and the uniform it was sampled with.
 
 :func:`check_rounds` then checks, for every recorded round:
@@ -17,7 +17,7 @@ block, the distribution each proposal was sampled from and the uniform it was sa
   the target's p row (within 1e-9). That distribution is computed by running the verification
   function the pipeline called, with its uniforms replaced by chosen values: for every draft in
   q's support, one uniform on each side of the acceptance threshold, and, when it rejects, the
-  distribution it hands :func:`crossdraft.sampling.sample_from` for the emitted token (itself
+  distribution it hands :func:`crossdraft.decoding.sampling.sample_from` for the emitted token (itself
   checked to be an exact inverse-CDF sampler on that distribution).
 
 Coupled draws have no acceptance rule to integrate: for them the check is that every position
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from crossdraft import coupled as CP
-from crossdraft import sampling as S
-from crossdraft import sessions as SS
+from crossdraft.decoding import coupled as CP
+from crossdraft.decoding import sampling as S
+from crossdraft.runtime import sessions as SS
 
 # fp32 model outputs computed two ways (a KV-cached block forward, possibly batched with other
 # sessions' rows, against one uncached forward over the whole context) differ by float32 rounding
@@ -88,7 +88,7 @@ class VerifyCall:
 
 class Capture:
     """Record what a real run computes. Install it after any replacement of
-    ``crossdraft.sampling.verify_sampling`` (a negative control's): the spy wraps, and the exact
+    ``crossdraft.decoding.sampling.verify_sampling`` (a negative control's): the spy wraps, and the exact
     check later integrates, whatever function is installed then."""
 
     def __init__(self, monkeypatch, keep: int | None = None):
@@ -299,7 +299,7 @@ def check_drafts(cap: Capture, vc: VerifyCall, d2t: np.ndarray, drafter_model=No
 
 @contextmanager
 def _uniforms(values: dict):
-    """Replace crossdraft.sampling.uniform: (position, stream) -> the value (0.5 when unlisted);
+    """Replace crossdraft.decoding.sampling.uniform: (position, stream) -> the value (0.5 when unlisted);
     record every sample_from call meanwhile."""
     real_u, real_s = S.uniform, S.sample_from
     calls: list[Draw] = []

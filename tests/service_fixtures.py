@@ -86,7 +86,7 @@ class Proc:
 
 
 def wait_grpc_healthy(addr: str, proc: Proc, timeout: float = 120) -> None:
-    from crossdraft import rpc
+    from crossdraft.serving import rpc
 
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -153,12 +153,12 @@ class Services:
     """
 
     log_dir: Path
-    redis: object = None  # crossdraft.redis_server.RedisServer
+    redis: object = None  # crossdraft.serving.redis_server.RedisServer
     procs: list[Proc] = field(default_factory=list)
     _waits: list = field(default_factory=list)  # (wait function, target, proc) of processes not yet ready
 
     def __post_init__(self) -> None:
-        from crossdraft.redis_server import RedisServer
+        from crossdraft.serving.redis_server import RedisServer
 
         self.redis = RedisServer().start()
 
@@ -180,7 +180,7 @@ class Services:
 
     def drafter(self, model, extra=None, env: dict | None = None) -> tuple[Proc, str]:
         """A drafter process on fp32 float weights (``--quantize none``: an fp32 drafter server may
-        otherwise choose int8 copies at load, by timing -- crossdraft.quant -- while the in-process
+        otherwise choose int8 copies at load, by timing -- crossdraft.models.quant -- while the in-process
         engines the tests compare with keep float weights)."""
         return self._model_server("drafter", model, ["--quantize", "none", *(extra or [])], env)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from crossdraft import modelserver
+from crossdraft.serving import modelserver
 from crossdraft.v1 import verifier_pb2_grpc
-from crossdraft.workers import VerifierWorker
 
 from .service import VerifierServicer
 
@@ -13,5 +12,5 @@ DEFAULT_PORT = 50062
 
 
 def main(argv=None) -> int:
-    return modelserver.main("verifier", DEFAULT_PORT, SERVICE_NAME, VerifierServicer(), VerifierWorker,
+    return modelserver.main("verifier", DEFAULT_PORT, SERVICE_NAME, VerifierServicer(),
                             verifier_pb2_grpc.add_VerifierServiceServicer_to_server, argv)

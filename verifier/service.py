@@ -1,11 +1,11 @@
-"""VerifierService servicer: translates messages to :class:`crossdraft.workers.VerifierWorker` calls."""
+"""VerifierService servicer: translates messages to :class:`crossdraft.runtime.workers.VerifierWorker` calls."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from crossdraft import wire
-from crossdraft.modelserver import Loading
+from crossdraft.serving import wire
+from crossdraft.serving.modelserver import Loading
 from crossdraft.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 VERIFY_CALLS = Counter("crossdraft_verifier_verify_calls_total", "Verify RPCs")

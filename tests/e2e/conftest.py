@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import Proc, Services, save_tiny_pair
 
 
@@ -27,7 +27,7 @@ def static_costs():
     the in-process engine's and across requests. With measured costs (the default for greedy)
     every process times its own forwards and corrects them by the clock, so it may pick other
     block sizes -- the same tokens, other counts. Static costs make the counts comparable; the
-    measured path has its own tests (tests/unit/test_costs.py)."""
+    measured path has its own tests (tests/unit/runtime/test_costs.py)."""
     old = os.environ.get("CROSSDRAFT_COST_PROFILE")
     os.environ["CROSSDRAFT_COST_PROFILE"] = "static"
     yield
@@ -78,7 +78,7 @@ def stack(tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="package")
 def engine(tiny_dirs):
     from crossdraft.engine import Engine
-    from crossdraft.models import load_model
+    from crossdraft.models.catalog import load_model
 
     t_dir, d_dir = tiny_dirs
     return Engine(load_model(str(t_dir), dtype="float32"), load_model(str(d_dir), dtype="float32"))

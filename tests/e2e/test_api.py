@@ -494,7 +494,7 @@ def test_echo_puts_the_prompt_before_the_completion(stack, ref):
 def test_logprobs_through_rest_and_grpc_equal_the_in_process_engine(stack, engine):
     """completions `logprobs: N` and gRPC `top_logprobs`: the target's log-probabilities of every
     generated token (and the N best) -- the in-process engine's numbers, in OpenAI's shape."""
-    from crossdraft.sampling import SamplingParams
+    from crossdraft.decoding.sampling import SamplingParams
 
     ref = engine.generate(PROMPT, max_new_tokens=24, params=SamplingParams(), top_logprobs=3)
     r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "logprobs": 3}).json()

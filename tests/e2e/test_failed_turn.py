@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from crossdraft.client import Client
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from gateway.sessions import RedisSessionStore, Session
 from tests.service_fixtures import Proc, Services, wait_grpc_healthy
 

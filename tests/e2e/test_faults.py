@@ -20,7 +20,7 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crossdraft.client import Client
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import Proc, gateway, model_server, wait_grpc_healthy, wait_http_ready
 
 PROMPT = "def fibonacci(n):\n"

@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from crossdraft.client import Client
+from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig
-from crossdraft.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 
@@ -235,7 +235,7 @@ def test_model_servers_hand_out_their_tokenizers(stack, tmp_path):
     """The gateway tokenizes with the servers' own tokenizers (no model copy needed)."""
     from transformers import AutoTokenizer
 
-    from crossdraft.vocab import token_bytes
+    from crossdraft.vocab.mapping import token_bytes
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
     for cls, addr in ((RemoteVerifier, stack.verifier_addr), (RemoteDrafter, stack.drafter_addr)):
@@ -274,8 +274,8 @@ def test_model_servers_fork_sessions_over_grpc(stack):
     """ForkVerifierSession / ForkDrafterSession through real servers: the fork starts with the
     source's prefilled cache; bad requests are INVALID_ARGUMENT / NOT_FOUND naming the field, and
     the servers keep serving."""
+    from crossdraft.decoding.messages import Expect
     from crossdraft.errors import InvalidArgument, NotFound
-    from crossdraft.workers import Expect
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
     ids = [5, 6, 7, 8, 9, 10, 11]

@@ -43,7 +43,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from crossdraft.redis_server import RedisServer
+from crossdraft.decoding.messages import ids_crc32
+from crossdraft.serving.redis_server import RedisServer
 from crossdraft.v1 import (
     common_pb2,
     drafter_pb2,
@@ -53,7 +54,6 @@ from crossdraft.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from crossdraft.workers import ids_crc32
 from tests.service_fixtures import gateway, model_server, wait_grpc_healthy, wait_http_ready
 
 MAX_EXAMPLES = int(os.environ.get("CROSSDRAFT_GRPC_FUZZ_EXAMPLES", "25"))

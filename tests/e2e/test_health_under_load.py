@@ -152,8 +152,8 @@ def test_probes_answer_before_any_of_64_requests_in_flight_ends(busy_gw):
 
 def test_grpc_health_answers_while_every_handler_thread_is_busy():
     """A gRPC server whose only handler thread is held by a stream answers health checks: Check
-    runs on a pool of its own (crossdraft.rpc.ProbeHealthServicer)."""
-    from crossdraft import rpc
+    runs on a pool of its own (crossdraft.serving.rpc.ProbeHealthServicer)."""
+    from crossdraft.serving import rpc
 
     release = threading.Event()
     entered = threading.Event()

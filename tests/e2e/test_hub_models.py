@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from tests.hub_fixtures import add_snapshot, fake_commit, gguf_sources, hub_env
 from tests.service_fixtures import Proc, free_port, gateway, save_tiny_pair, wait_grpc_healthy, wait_http_ready
 

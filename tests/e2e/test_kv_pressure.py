@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import gateway, model_server, wait_grpc_healthy, wait_http_ready
 
 PROMPT = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"

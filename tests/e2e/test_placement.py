@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from gateway.discovery import EndpointSliceWatcher, Pool
 from tests.service_fixtures import model_server, wait_grpc_healthy
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from crossdraft.errors import ResourceExhausted, Unavailable
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving.redis_server import RedisServer
 from gateway.discovery import Pool
 from tests.service_fixtures import Proc, Services
 

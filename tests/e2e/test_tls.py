@@ -29,7 +29,7 @@ import requests
 import trustme
 
 from crossdraft.errors import Unavailable
-from crossdraft.tls import TLSConfig
+from crossdraft.serving.tls import TLSConfig
 from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_healthy
 
 PROMPT = "The quick brown fox"
@@ -197,10 +197,10 @@ def test_the_health_port_serves_health_and_nothing_else(tls_stack):
 
 
 def test_container_health_checks_follow_tls(tls_stack, stack):
-    """The images' HEALTHCHECK (python -m crossdraft.healthcheck KIND) with the servers' own env: a
+    """The images' HEALTHCHECK (python -m crossdraft.serving.healthcheck KIND) with the servers' own env: a
     TLS model server is checked on its health-only port, a TLS gateway over HTTPS."""
     def hc(kind, env):
-        r = subprocess.run([sys.executable, "-m", "crossdraft.healthcheck", kind], env=dict(os.environ, **env),
+        r = subprocess.run([sys.executable, "-m", "crossdraft.serving.healthcheck", kind], env=dict(os.environ, **env),
                            capture_output=True, text=True, timeout=60)
         return r.returncode
 

@@ -14,8 +14,8 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from crossdraft import telemetry
-from crossdraft.redis_server import RedisServer
+from crossdraft.serving import telemetry
+from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import Proc, model_server, wait_grpc_healthy
 
 ROUND_ATTRS = ("crossdraft.round.index", "crossdraft.round.draft_tokens_requested", "crossdraft.round.drafted",

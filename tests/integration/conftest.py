@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from crossdraft import models as M
-from crossdraft.redis_server import RedisServer
+from crossdraft.models import catalog as M
+from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
 
 # The stacks' servers keep a KV pool of this many tokens (the default sizes it to the machine's free
@@ -26,7 +26,7 @@ from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_h
 KV_TOKENS = "8192"
 # Round statistics are compared with the in-process engine's, and drafts must be verified in shared
 # batches: static costs make the counts comparable and ignore the load (with measured costs eight
-# fp32 sessions on a CPU would rightly stop drafting; tests/unit/test_policy.py covers that path).
+# fp32 sessions on a CPU would rightly stop drafting; tests/unit/decoding/test_policy.py covers that path).
 STATIC = {"CROSSDRAFT_COST_PROFILE": "static"}
 
 
@@ -92,6 +92,6 @@ def start_stack(target: str, drafter: str, log_dir, drafter_args: list[str], dra
 @pytest.fixture(scope="package")
 def qwen_stack(tmp_path_factory):
     # float drafter weights, as the in-process engine's: round counts are compared (an fp32 drafter
-    # server may otherwise choose int8 copies at load, crossdraft.quant.choose_fp32)
+    # server may otherwise choose int8 copies at load, crossdraft.models.quant.choose_fp32)
     yield from start_stack("qwen2.5-coder-0.5b", "smollm2-135m", tmp_path_factory.mktemp("qwen-stack"),
                            ["--quantize", "none"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crossdraft.models import CATALOG, is_pulled, list_models, load_model, model_path
+from crossdraft.models.catalog import CATALOG, is_pulled, list_models, load_model, model_path
 
 pytestmark = pytest.mark.real_models
 

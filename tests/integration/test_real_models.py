@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from crossdraft import models as M
+from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
-from crossdraft.sampling import SamplingParams
+from crossdraft.models import catalog as M
 
 pytestmark = pytest.mark.real_models
 
@@ -103,9 +103,9 @@ def smol_int8(catalog_model):
 
 
 def test_an_int8_drafter_changes_speed_only(engine, smol_int8, target_only):
-    """smollm2-135m with int8 weight copies (crossdraft/quant.py) drafting for a real fp32 target:
+    """smollm2-135m with int8 weight copies (crossdraft/models/quant.py) drafting for a real fp32 target:
     greedy output identical to the target alone, drafts accepted, steps through the int8 kernel."""
-    from crossdraft import quant
+    from crossdraft.models import quant
 
     assert smol_int8.quantize == "int8"
     eng = Engine(engine.target, smol_int8)

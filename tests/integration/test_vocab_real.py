@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from crossdraft import vocab as V
-from tests.unit.test_vocab import in_context_mismatches
+from crossdraft.vocab import mapping as V
+from tests.unit.vocab.test_vocab import in_context_mismatches
 
 pytestmark = pytest.mark.real_models
 
@@ -22,7 +22,7 @@ _LOADED: dict = {}
 
 def tok(name):
     if name not in _LOADED:
-        from crossdraft.models import load_tokenizer
+        from crossdraft.models.catalog import load_tokenizer
 
         _LOADED[name] = load_tokenizer(name)
     return _LOADED[name]
@@ -41,7 +41,7 @@ def test_gemma_qwen_beats_hf_style_and_maps_whitespace(cache_dir):
         m = V.build_mapping(target, drafter, cache_dir=cache_dir)
         rep = V.vocab_report(target, drafter, cache_dir=cache_dir)
         print({k: v for k, v in rep.items() if k != "key"})
-        # HF-style finds 63,608; decoded-bytes matching ~96k (see crossdraft.vocab's docstring)
+        # HF-style finds 63,608; decoded-bytes matching ~96k (see crossdraft.vocab.mapping's docstring)
         assert rep["intersection_size"] > rep["hf_style_intersection"] + 25_000
         assert rep["intersection_size"] > 90_000
         assert rep["intersection_size"] >= rep["hf_style_correct_pairs"]
@@ -103,7 +103,7 @@ def test_a_mapping_in_the_disk_cache_is_read_not_rebuilt(cache_dir, monkeypatch)
     """A gateway restarting on a pair it mapped before reads the mapping from the disk cache: the
     second build computes nothing (the tokenizers' bytes tables are memoized per object; the
     mapping, forgotten in memory, is loaded from its file) and gives the same mapping."""
-    from tests.unit.test_vocab import _count_vocab_work
+    from tests.unit.vocab.test_vocab import _count_vocab_work
 
     gemma, qwen = tok("gemma3-270m"), tok("qwen2.5-coder-0.5b")
     first = V.build_mapping(qwen, gemma, cache_dir=cache_dir)

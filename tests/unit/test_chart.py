@@ -313,7 +313,7 @@ def test_gpu_pools_default(render):
         assert pod_spec(doc)["nodeSelector"] == pool
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(doc)["tolerations"]
         assert env_of(doc)["CROSSDRAFT_DEVICE"]["value"] == "cuda"
-        assert env_of(doc)["CROSSDRAFT_CUDA_GRAPHS"]["value"] == "auto"  # (on for CUDA: crossdraft.graphs)
+        assert env_of(doc)["CROSSDRAFT_CUDA_GRAPHS"]["value"] == "auto"  # (on for CUDA: crossdraft.runtime.graphs)
     for name in ("gateway", "redis"):
         doc = next(w for w in workloads(docs) if w["metadata"]["name"] == f"{FULL}-{name}")
         assert "nvidia.com/gpu" not in str(container(doc)["resources"])

@@ -44,7 +44,7 @@ def test_the_cumulative_stop_defaults_to_the_cost_model_and_is_range_checked():
 
 
 def test_the_draft_vocabulary_defaults_to_the_policy_constant():
-    from crossdraft.policy import DEFAULT_DRAFT_VOCAB
+    from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
 
     assert _parse().draft_vocab == DEFAULT_DRAFT_VOCAB
     assert _parse("--draft-vocab", "0").draft_vocab == 0
@@ -97,7 +97,7 @@ _MODEL_SERVER_FLAGS = [
 def _model_server_parser():
     import argparse
 
-    from crossdraft import modelserver
+    from crossdraft.serving import modelserver
 
     p = argparse.ArgumentParser(prog="python -m drafter")
     modelserver.add_arguments(p, 50052)

@@ -291,7 +291,7 @@ def test_runtime_metadata(dockerfile):
     hc = health[-1].args
     assert not hc.upper().startswith("NONE") and " CMD " in f" {hc} ", f"{path.name}: HEALTHCHECK {hc}"
     probe = " ".join(exec_form(hc[hc.index("CMD") + 3:].strip()))
-    assert probe == f"python -m crossdraft.healthcheck {service}", probe  # TLS-aware (tests/e2e/test_tls.py)
+    assert probe == f"python -m crossdraft.serving.healthcheck {service}", probe  # TLS-aware (tests/e2e/test_tls.py)
 
     exposed = {p.split("/")[0] for e in final.all("EXPOSE") for p in e.args.split()}
     assert ports <= exposed, f"{path.name}: EXPOSE {sorted(exposed)} lacks {sorted(ports - exposed)}"
@@ -400,7 +400,7 @@ def test_builder_steps_yield_a_package_with_the_stubs(tmp_path):
     for want in ("crossdraft/v1/__init__.py", "crossdraft/v1/common_pb2.py", "crossdraft/v1/gateway_pb2.py",
                  "crossdraft/v1/gateway_pb2_grpc.py", "crossdraft/v1/drafter_pb2_grpc.py",
                  "crossdraft/v1/verifier_pb2_grpc.py", "drafter/__main__.py", "verifier/__main__.py",
-                 "gateway/__main__.py", "crossdraft/rpc.py"):
+                 "gateway/__main__.py", "crossdraft/serving/rpc.py"):
         assert want in names, f"{want} missing from the wheel"
 
     site = tmp_path / "site"

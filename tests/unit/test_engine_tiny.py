@@ -13,10 +13,10 @@ import pytest
 import torch
 from scipy import stats as sst
 
-from crossdraft import sampling as S
+from crossdraft.decoding import sampling as S
+from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
 from crossdraft.errors import InvalidArgument
-from crossdraft.sampling import SamplingParams
 from tests import exact
 from tests.tiny_models import tiny_lm
 
@@ -378,9 +378,9 @@ def test_tli_sampling_in_shared_batches_is_lossless(tli_no_eos, peaked_pair, mon
     on the threads' timing, and nothing asserted depends on it."""
     import threading
 
-    from crossdraft.batching import BatchConfig
-    from crossdraft.decode import Decoder
-    from crossdraft.workers import DrafterWorker, VerifierWorker, WorkerConfig
+    from crossdraft.decoding.decode import Decoder
+    from crossdraft.runtime.batching import BatchConfig
+    from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
 
     params = SamplingParams(temperature=1.0)
     engine = tli_no_eos
@@ -472,7 +472,7 @@ def test_a_drafter_whose_context_runs_out_falls_back_instead_of_failing(target, 
         assert (out.stats.drafted > 0) == (where == "mid-request")
 
 
-# ---- coupled draws (crossdraft.coupled) ------------------------------------------------------
+# ---- coupled draws (crossdraft.decoding.coupled) ------------------------------------------------------
 
 
 _FILTERED = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.2, coupled=True)
@@ -516,7 +516,7 @@ def test_coupled_sampling_emits_the_targets_own_draws_whatever_is_drafted(reques
     every position the block reaches, the verification emits the argmax of the row plus the full
     noise field of (seed, position) -- target-only's draw there -- for the target's own token and
     other ids drafted in its place. The output is then the target-only output token for token;
-    that those draws follow softmax of the row is the noise field's property (tests/unit/test_coupled.py)."""
+    that those draws follow softmax of the row is the noise field's property (tests/unit/decoding/test_coupled.py)."""
     engine = request.getfixturevalue(engine_name)
     cap = _capture_runs(engine, params, monkeypatch)
     report = exact.check_rounds(cap, engine.target.model)

@@ -1,5 +1,6 @@
-"""The services never import each other (docs/layout.md), and the core modules of crossdraft import
-no gRPC server, Redis or web-framework code."""
+"""The repository's layout, as docs/layout.md states it: crossdraft is a few packages by concept in
+layers, imports run from a higher layer to a lower one only, the services never import each other,
+and nothing forms an import cycle (deferred imports included)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,52 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("drafter", "verifier", "gateway")
-# The modules of crossdraft/ that speak to the network or start processes; every other module is core
-# (decoding, models, batching, the KV pool, ...), so a new module is held to the core rule by default.
-EDGE = {
-    "cli": "the command line starts and calls services",
-    "client": "a gRPC client of the gateway",
-    "redis_server": "starts a Redis server and talks to it",
-    "rpc": "the model servers' gRPC servicers",
-    "tls": "gRPC channel and server credentials",
-    "up": "starts the whole stack",
+# crossdraft's layers, lowest first; a module may import its own layer and those below it. The
+# modules directly under crossdraft/ are the base (what every layer shares) or the top (the entry
+# points users import); a new module there must be named here, a new package must get a layer.
+BASE = {"errors", "argtypes", "home"}
+TOP = {"engine", "cli", "client"}
+LAYERS = ("base", "vocab", "decoding", "models", "runtime", "serving", "top")
+# what a service may import of crossdraft: the gateway speaks to model servers and maps vocabularies,
+# it never runs a model; the model servers reach the runtime only through serving's modelserver shell
+SERVICE_MAY_IMPORT = {
+    "gateway": {"base", "vocab", "decoding", "models", "serving"},
+    "drafter": {"base", "serving"},
+    "verifier": {"base", "serving"},
 }
-CORE = tuple(sorted(p.stem for p in (ROOT / "crossdraft").glob("*.py") if p.stem not in EDGE and p.stem != "__init__"))
+# third-party code that a layer must not import (the model-side layers are free of any transport)
+BANNED = {
+    "vocab": {"grpc", "redis", "starlette", "uvicorn", "torch"},
+    "decoding": {"grpc", "redis", "starlette", "uvicorn", "transformers"},
+    "models": {"grpc", "redis", "starlette", "uvicorn"},
+    "runtime": {"grpc", "redis", "starlette", "uvicorn"},
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer of a dotted module name under crossdraft (``crossdraft.decoding.policy`` -> decoding)."""
+    parts = module.split(".")
+    assert parts[0] == "crossdraft", module
+    if len(parts) == 1:
+        return "top"
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] in TOP:
+        return "top"
+    return parts[1]
+
+
+def crossdraft_modules() -> dict[str, Path]:
+    return {m: f for m, f in repo_modules().items() if m.split(".")[0] == "crossdraft"}
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Top-level names of everything a file imports (deferred imports included)."""
     mods = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_imports(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             mods.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        elif node.level == 0 and node.module:
             mods.add(node.module.split(".")[0])
     return mods
 
@@ -40,18 +68,65 @@ def test_services_do_not_import_each_other():
             assert not others, f"{f.relative_to(ROOT)} imports {others}"
 
 
-def test_every_edge_module_exists():
-    missing = [name for name in EDGE if not (ROOT / "crossdraft" / f"{name}.py").exists()]
-    assert not missing, f"EDGE names modules that are gone: {missing}"
-    assert len(CORE) > 20  # the glob found the package
+def test_every_module_of_crossdraft_has_a_layer():
+    mods = crossdraft_modules()
+    assert "crossdraft.decoding.decode" in mods and "crossdraft.runtime.workers" in mods  # the walk sees them
+    for mod in mods:
+        assert layer_of(mod) in LAYERS, f"{mod}: a package without a layer (add it to LAYERS and docs/layout.md)"
+    flat = sorted(p.stem for p in (ROOT / "crossdraft").glob("*.py") if p.stem != "__init__")
+    stray = set(flat) - BASE - TOP
+    assert not stray, f"modules directly under crossdraft/ that are neither base nor top: {stray}"
+    assert len(flat) <= 8, flat
+    for pkg in {layer_of(m) for m in mods} - {"base", "top"}:
+        init = ROOT / "crossdraft" / pkg / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "import" in doc, f"crossdraft/{pkg}/__init__.py must say what the package is and may import"
 
 
-def test_core_modules_import_no_server_redis_or_web_code():
-    banned = {"grpc", "redis", "starlette", "uvicorn", "drafter", "verifier", "gateway"}
-    for name in CORE:
-        f = ROOT / "crossdraft" / f"{name}.py"
-        bad = imported_modules(f) & banned
-        assert not bad, f"crossdraft/{name}.py imports {bad}"
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge of the graph that breaks the layers: crossdraft importing upward or importing a
+    service, a service importing a layer it may not."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    bad = []
+    for mod, deps in graph.items():
+        top = mod.split(".")[0]
+        for dep in deps:
+            dtop = dep.split(".")[0]
+            if top == "crossdraft" and dtop in SERVICES:
+                bad.append(f"{mod} imports the service {dep}")
+            elif top == "crossdraft" and dtop == "crossdraft" and rank[layer_of(dep)] > rank[layer_of(mod)]:
+                bad.append(f"{mod} ({layer_of(mod)}) imports {dep} ({layer_of(dep)}), a higher layer")
+            elif top in SERVICES and dtop == "crossdraft" and layer_of(dep) not in SERVICE_MAY_IMPORT[top]:
+                bad.append(f"{mod} imports {dep} ({layer_of(dep)})")
+    return bad
+
+
+def test_imports_run_from_a_higher_layer_to_a_lower_one():
+    bad = upward_imports(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_sees_upward_and_service_imports():
+    ok = {"crossdraft.runtime.workers": {"crossdraft.decoding.sampling", "crossdraft.errors"},
+          "gateway.core": {"crossdraft.decoding.decode", "crossdraft.serving.rpc"}}
+    assert upward_imports(ok) == []
+    assert len(upward_imports({**ok, "crossdraft.decoding.decode": {"crossdraft.runtime.workers"}})) == 1
+    assert len(upward_imports({**ok, "crossdraft.vocab.mapping": {"crossdraft.models.catalog"}})) == 1
+    assert len(upward_imports({**ok, "crossdraft.errors": {"gateway.core"}})) == 1
+    assert len(upward_imports({**ok, "gateway.server": {"crossdraft.runtime.workers"}})) == 1
+    assert len(upward_imports({**ok, "drafter.server": {"crossdraft.models.catalog"}})) == 1
+
+
+def test_model_side_layers_import_no_transport_code():
+    for mod, f in crossdraft_modules().items():
+        bad = imported_modules(f) & BANNED.get(layer_of(mod), set())
+        assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+def test_imported_modules_sees_deferred_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    import grpc\n    from crossdraft.runtime import workers\n")
+    assert imported_modules(f) == {"grpc", "crossdraft"}
 
 
 PACKAGES = ("crossdraft", "gateway", "drafter", "verifier")
@@ -90,14 +165,20 @@ def _runtime_imports(tree) -> list:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the repo modules it imports (generated gRPC stubs left out)."""
+def repo_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the four packages (generated gRPC stubs left out)."""
     files = {}
     for pkg in PACKAGES:
         for f in (ROOT / pkg).rglob("*.py"):
             if "v1" in f.relative_to(ROOT).parts:
                 continue
             files[_module_name(f)] = f
+    return files
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the repo modules it imports (generated gRPC stubs left out)."""
+    files = repo_modules()
     known = set(files)
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, f in files.items():
@@ -151,8 +232,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_the_repo_packages():
     graph = import_graph()
-    assert "crossdraft.sessions" in graph["crossdraft.workers"]  # the graph sees real edges
-    assert "crossdraft.decode" in graph["crossdraft.engine"]
+    assert "crossdraft.runtime.sessions" in graph["crossdraft.runtime.workers"]  # the graph sees real edges
+    assert "crossdraft.decoding.decode" in graph["crossdraft.engine"]
+    assert "crossdraft.runtime.workers" in graph["crossdraft.serving.modelserver"]  # deferred imports too
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -171,21 +253,11 @@ def test_cycle_finder_sees_deferred_imports():
     assert [type(n).__name__ for n in _runtime_imports(guarded)] == ["ImportFrom"]
 
 
-def test_layering_runs_one_way():
-    graph = import_graph()
-    # engine -> decode -> workers -> sessions -> sampling; nothing below imports upward
-    order = ["crossdraft.engine", "crossdraft.decode", "crossdraft.workers", "crossdraft.sessions",
-             "crossdraft.sampling"]
-    for i, low in enumerate(order):
-        for high in order[:i]:
-            assert high not in graph[low], f"{low} imports {high}"
-
-
 def test_ports_are_stated_and_the_adapters_conform():
     import inspect
 
-    from crossdraft.ports import DrafterPort, VerifierPort
-    from crossdraft.workers import DrafterWorker, VerifierWorker
+    from crossdraft.decoding.ports import DrafterPort, VerifierPort
+    from crossdraft.runtime.workers import DrafterWorker, VerifierWorker
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
     for port, impls in ((VerifierPort, (VerifierWorker, RemoteVerifier)),

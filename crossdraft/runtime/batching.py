@@ -1,0 +1,567 @@
+"""The batching scheduler of a model server: many sessions' forwards in ONE model forward.
+
+Callers (the gRPC handler threads of a verifier or drafter, one per in-flight request) submit a
+row -- a session's KV-pool handle, the position it starts at, the tokens to feed, how many of the
+last rows of logits it needs, and optionally a pruned LM head -- and block until it has run. One
+loop thread takes the first waiting row, gathers more until a row cap, a token cap or a short
+wait is reached, runs ONE :func:`crossdraft.runtime.kvpool.batched_forward` and hands each caller its
+rows. A session is in a batch at most once (its caller waits for its row). Long feeds (a prefill,
+a sync after a cache miss) are cut into chunks of ``prefill_chunk`` tokens, each a separate row,
+so one long prompt delays other sessions' rounds by at most one chunk's share of a forward. The
+forward pads rows to the longest, so a long row batches only with rows of about its length
+(:func:`_mixes`): a prompt's chunk never pads other sessions' one-token steps to its length.
+
+The wait for more rows only happens while other callers are inside the worker (``busy()``
+counts them): with one client a row runs at once, so batching costs a single user nothing.
+
+Memory: the KV pool (paged, preallocated) holds every session's keys and values. When a row
+cannot get blocks, the worker's ``evict`` callback drops idle sessions, least recently used
+first (they re-sync later: slower, never different); if nothing can be evicted the row fails with
+:class:`crossdraft.errors.ResourceExhausted` (gRPC RESOURCE_EXHAUSTED, HTTP 429 at the gateway).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from crossdraft.decoding.policy import interpolate_cost
+from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
+from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
+
+log = logging.getLogger("crossdraft.runtime.batching")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How a model server batches the forwards of its sessions."""
+
+    enabled: bool = True  # False: one forward at a time, each session with its own cache
+    max_rows: int = 32  # sessions in one forward at most
+    max_tokens: int = 4096  # tokens in one forward at most (rows x the longest row: the padded forward)
+    # how long the first row may wait for others that are in flight or due (None = automatic:
+    # 15% of the mean forward time, 1 to 30 ms)
+    max_wait_ms: float | None = None
+    prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
+    kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
+    kv_cache_memory_fraction: float = 0.0  # automatic size's memory share (0 = 0.2 on CPU, 0.8 on CUDA)
+    block_size: int = 16  # tokens per KV block
+    # shape buckets replayed as captured CUDA graphs (crossdraft.runtime.graphs): None = on for a CUDA
+    # device, off elsewhere; True on a CPU runs the same bucketed path without graphs (a check of
+    # the padding; slower: there is nothing to capture)
+    cuda_graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_tokens", "prefill_chunk", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgument(name, f"must be an integer >= 1, got {v!r}")
+        if self.max_wait_ms is not None and not 0 <= self.max_wait_ms <= 1000:
+            raise InvalidArgument("max_wait_ms", f"must be in [0, 1000], got {self.max_wait_ms}")
+        if self.kv_cache_tokens < 0:
+            raise InvalidArgument("kv_cache_tokens", "must be >= 0 (0 = automatic)")
+        if not 0 <= self.kv_cache_memory_fraction <= 0.95:
+            raise InvalidArgument("kv_cache_memory_fraction", "must be in [0, 0.95] (0 = automatic)")
+        if self.max_tokens < self.prefill_chunk:
+            raise InvalidArgument("max_tokens", "must be >= prefill_chunk")
+
+
+class KVSlot:
+    """One session's place in the pool. ``handle`` is assigned and freed on the loop thread only."""
+
+    __slots__ = ("handle", "closed")
+
+    def __init__(self):
+        self.handle: int | None = None
+        self.closed = False
+
+
+class _Job:
+    __slots__ = ("slot", "start", "tokens", "keep", "head", "done", "result", "error", "t_submit", "wait_s",
+                 "batch_rows", "batch_tokens")
+
+    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head):
+        self.slot = slot
+        self.start = start
+        self.tokens = tokens
+        self.keep = keep
+        self.head = head
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+        self.t_submit = time.perf_counter()
+        self.wait_s = 0.0
+        self.batch_rows = 0
+        self.batch_tokens = 0
+
+
+@dataclass
+class ForwardInfo:
+    """What one caller's forward looked like from inside the scheduler."""
+
+    queue_wait_s: float = 0.0  # waiting for a batch to start (all chunks)
+    batch_rows: int = 1  # rows of the batch that computed the caller's logits
+    batch_tokens: int = 0
+    chunks: int = 0
+    active_sessions: int = 1  # sessions sending rows to this scheduler lately (the caller's included)
+
+
+class BatchStats:
+    """Counters and histograms (plain numbers; the servers export them to Prometheus)."""
+
+    ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def __init__(self):
+        self.batches = 0
+        self.rows = 0
+        self.tokens = 0
+        self.rows_hist = [0] * (len(self.ROW_BUCKETS) + 1)
+        self.evictions = 0
+        self.exhausted = 0
+        self.forward_s = 0.0
+        self.queue_wait_s = 0.0
+        self.observers: list = []  # callables(rows, tokens, queue_waits_s) run after each batch
+
+    def record(self, rows: int, tokens: int, waits: list[float], forward_s: float) -> None:
+        self.batches += 1
+        self.rows += rows
+        self.tokens += tokens
+        self.forward_s += forward_s
+        self.queue_wait_s += sum(waits)
+        i = next((j for j, b in enumerate(self.ROW_BUCKETS) if rows <= b), len(self.ROW_BUCKETS))
+        self.rows_hist[i] += 1
+        for fn in self.observers:
+            try:
+                fn(rows, tokens, waits)
+            except Exception:  # metrics must never break a forward
+                log.exception("batch observer failed")
+
+
+class BatchScheduler:
+    """One loop thread running batched forwards of one model over one :class:`KVPool`."""
+
+    def __init__(self, model, pool: KVPool, cfg: BatchConfig, *, threads: int | None = None, evict=None,
+                 busy=None):
+        self.model = model
+        self.pool = pool
+        self.cfg = cfg
+        self.evict = evict  # callable(blocks_needed) -> bool: free idle sessions' blocks
+        self.busy = busy or (lambda: 0)  # callable: callers inside the worker right now
+        # the forwards' intra-op threads (set on the loop thread)
+        self.threads = threads or torch.get_num_threads()
+        self.stats = BatchStats()
+        self._q: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._releases: list[KVSlot] = []
+        self._ops: list = []  # pool operations callers asked the loop thread to run (forks)
+        # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
+        self._seen: dict[int, list] = {}
+        self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
+        # the model's measured ms per forward of 1, 2, ... tokens (crossdraft.runtime.costs; set by the worker
+        # once timed): whether padding short rows to a longer one costs more than a forward of its own
+        self.cost_ms: list[float] | None = None
+        self.graphs = None
+        use = cfg.cuda_graphs if cfg.cuda_graphs is not None else pool.device.type == "cuda"
+        if use:
+            from crossdraft.runtime.graphs import ForwardGraphs
+
+            # row buckets: powers of two up to the row cap, and the cap itself
+            rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r < cfg.max_rows} | {cfg.max_rows})
+            self.graphs = ForwardGraphs(model, pool, backend="cuda" if pool.device.type == "cuda" else "emulate",
+                                        rows=rows)
+        self._thread = threading.Thread(target=self._loop, name="crossdraft-batcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The loop thread (the one that runs the forwards)."""
+        return self._thread
+
+    # ---- slots: a session's place in the pool -------------------------------------------------------
+    # Every pool mutation happens on the loop thread (between or inside batches), so the pool
+    # needs no lock and callers never wait for a forward just to roll back or to leave.
+    def release(self, slot: "KVSlot") -> None:
+        """The session is gone: free its blocks (now on the loop thread, else before the next batch)."""
+        slot.closed = True
+        if threading.current_thread() is self._thread:
+            self._free(slot)
+        else:
+            with self._cv:
+                self._releases.append(slot)
+                self._cv.notify()
+
+    def fork(self, src: "KVSlot", dst: "KVSlot", n: int) -> int:
+        """Make the empty slot ``dst`` share the first ``n`` tokens of ``src``'s keys and values
+        (pool blocks shared, copied only when written; run on the loop thread, between batches).
+        Returns the tokens shared: fewer than ``n`` only when the source holds fewer."""
+        done = threading.Event()
+        box: dict = {}
+
+        def op():
+            try:
+                if src.closed:
+                    raise NotFound("source_session_id", "the session's KV slot was released (evicted)")
+                if dst.handle is not None:
+                    raise ValueError("fork into a slot that already holds keys and values")
+                if src.handle is not None and n > 0:
+                    m = min(n, self.pool.length(src.handle))
+                    if m > 0:
+                        dst.handle = self.pool.fork(src.handle, m)
+                        box["n"] = m
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        if threading.current_thread() is self._thread:
+            op()
+        else:
+            with self._cv:
+                if self._stop:
+                    raise ResourceExhausted("the model server is shutting down")
+                self._ops.append(op)
+                self._cv.notify()
+            done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("n", 0)
+
+    def _free(self, slot: "KVSlot") -> None:
+        self._seen.pop(id(slot), None)
+        if slot.handle is not None:
+            self.pool.free(slot.handle)
+            slot.handle = None
+
+    # ---- the callers' side ----------------------------------------------------------------------
+    def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int,
+                head=None) -> tuple[torch.Tensor, ForwardInfo]:
+        """Feed tokens at positions start..; block until done; (logits [keep, V or A] float32, info).
+
+        The slot's KV entries from ``start`` on are replaced (a rollback is just a smaller start)."""
+        if slot.closed:
+            raise NotFound("session_id", "the session's KV slot was released (evicted); re-sync")
+        info = ForwardInfo()
+        out = None
+        pos = start
+        for piece, last in _chunks(tokens, self.cfg.prefill_chunk, keep):
+            job = _Job(slot, pos, piece, keep if last else 1, head if last else None)
+            with self._cv:
+                if self._stop:
+                    raise ResourceExhausted("the model server is shutting down")
+                seen = self._seen.get(id(slot))
+                if seen is None:
+                    self._seen[id(slot)] = [job.t_submit, None]
+                else:
+                    gap = job.t_submit - seen[0]
+                    seen[0], seen[1] = job.t_submit, gap if seen[1] is None else 0.7 * seen[1] + 0.3 * gap
+                self._q.append(job)
+                self._cv.notify()
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            info.queue_wait_s += job.wait_s
+            info.batch_rows, info.batch_tokens = job.batch_rows, job.batch_tokens
+            info.chunks += 1
+            info.active_sessions = self.active_sessions()
+            out = job.result
+            pos += len(piece)
+        return out, info
+
+    def active_sessions(self) -> int:
+        """Sessions whose rows keep coming: each sent one within twice its usual gap between rows (or
+        within the last second, before a gap is known). How many sessions a round's forwards are
+        shared by when every one of them sends its rows -- what the draft-length policy prices
+        drafting against, whatever the batches look like at the moment."""
+        now = time.perf_counter()
+        with self._cv:
+            return max(1, sum(1 for last, gap in self._seen.values()
+                              if now - last <= (max(2.0 * gap, 0.05) if gap is not None else 1.0)))
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(5)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _gather(self) -> list[_Job] | None:
+        cfg = self.cfg
+        with self._cv:
+            while not self._q and not self._stop and not self._releases and not self._ops:
+                self._cv.wait()
+            releases, self._releases = self._releases, []
+            for slot in releases:
+                self._free(slot)
+            ops, self._ops = self._ops, []
+            for op in ops:
+                op()
+            if self._stop:
+                return None
+            if not self._q:
+                return []
+            batch = [self._q.popleft()]
+            slots = {id(batch[0].slot)}
+            tokens = longest = len(batch[0].tokens)
+            deadline = time.perf_counter() + self._max_wait_s()
+            skipped: list[_Job] = []
+            while len(batch) < cfg.max_rows:
+                if self._q:
+                    job = self._q.popleft()
+                    n = len(job.tokens)
+                    if tokens + n > cfg.max_tokens:
+                        skipped.append(job)  # the next batch (in order: nothing overtakes it)
+                        break
+                    if id(job.slot) in slots or not _mixes(len(batch), longest, n, cfg.max_tokens):
+                        skipped.append(job)  # next batch
+                        continue
+                    batch.append(job)
+                    slots.add(id(job.slot))
+                    tokens += n
+                    longest = max(longest, n)
+                    continue
+                # nothing queued: wait a little, only while other rows may be about to come (not
+                # while a row set aside waits for the next batch)
+                now = time.perf_counter()
+                if now >= deadline or skipped or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
+                    break
+                self._cv.wait(deadline - now)
+            batch, later = _split(batch, self.cost_ms)
+            self._q.extendleft(reversed(later + skipped))
+            return batch
+
+    def _max_wait_s(self) -> float:
+        if self.cfg.max_wait_ms is not None:
+            return self.cfg.max_wait_ms / 1000.0
+        return min(0.030, max(0.001, 0.15 * self._forward_s))
+
+    def _due(self, slots: set, now: float, deadline: float) -> bool:
+        """Whether a session not in the batch is expected to send its next row before the deadline:
+        its rows have been coming at a steady gap (the round trip of a client: its own rounds,
+        drafting, the gateway), so rows of sessions batched together once come back together, and
+        a short wait keeps them together instead of letting them drift into separate forwards.
+        Sessions long past their due time are forgotten."""
+        due = False
+        for key, (last, gap) in list(self._seen.items()):
+            if gap is None or key in slots:
+                continue
+            if now > last + 3 * gap + 1.0:
+                del self._seen[key]
+            elif now - 0.5 * gap <= last + gap <= deadline:
+                due = True
+        return due
+
+    def _reserve(self, batch: list[_Job]) -> list[_Job]:
+        """Give every row a handle and its blocks (evicting idle sessions if needed); fail rows that
+        cannot get them."""
+        ok = []
+        pool = self.pool
+        for job in batch:
+            try:
+                if job.slot.closed:
+                    raise NotFound("session_id", "the session was dropped (evicted); re-sync")
+                if job.slot.handle is None:
+                    job.slot.handle = pool.alloc()
+                h = job.slot.handle
+                if job.start > pool.length(h):
+                    raise InvalidArgument("start", f"row starts at {job.start}, the slot holds {pool.length(h)}")
+                if job.start < pool.length(h):
+                    pool.truncate(h, job.start)
+                end = job.start + len(job.tokens)
+                if -(-end // pool.block_size) > pool.blocks_total:
+                    raise InvalidArgument(
+                        "tokens", f"the session would hold {end} tokens; this server's KV cache holds "
+                        f"{pool.blocks_total * pool.block_size} (--kv-cache-tokens)")
+                # new blocks, plus private copies of blocks shared with a fork that this row writes into
+                need = max(0, -(-end // pool.block_size) - len(pool.block_table(h))) + pool.shared_blocks(h, job.start)
+                if need > pool.blocks_free:
+                    if self.evict is None or not self.evict(need):
+                        raise PoolFull(f"need {need} more blocks, {pool.blocks_free} free of {pool.blocks_total}")
+                    self.stats.evictions += 1
+                pool.make_writable(h, job.start)
+                pool.ensure(h, end)
+                ok.append(job)
+            except PoolFull:
+                self.stats.exhausted += 1
+                job.error = ResourceExhausted(
+                    f"kv cache full: {pool.blocks_used} of {pool.blocks_total} blocks held by busy sessions; "
+                    "retry later")
+                job.done.set()
+            except Exception as e:  # a slot released meanwhile and the like
+                job.error = e
+                job.done.set()
+        return ok
+
+    def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            batch = self._gather()
+            if batch is None:
+                with self._cv:
+                    for job in self._q:
+                        job.error = ResourceExhausted("the model server is shutting down")
+                        job.done.set()
+                    self._q.clear()
+                return
+            batch = self._reserve(batch)
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            waits = [t0 - j.t_submit for j in batch]
+            tokens = sum(len(j.tokens) for j in batch)
+            rows = [Row(j.slot.handle, j.start, j.tokens, j.keep) for j in batch]
+            try:
+                outs = batched_forward(self.model, self.pool, rows, head=[j.head for j in batch], graphs=self.graphs)
+            except BaseException as e:  # never leave a caller waiting
+                log.exception("batched forward failed")
+                for j in batch:
+                    j.error = e
+                    j.done.set()
+                continue
+            dt = time.perf_counter() - t0
+            self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
+            self.stats.record(len(batch), tokens, waits, dt)
+            for j, out, w in zip(batch, outs, waits, strict=True):
+                j.result = out
+                j.wait_s = w
+                j.batch_rows = len(batch)
+                j.batch_tokens = tokens
+                j.done.set()
+
+
+class PooledKV:
+    """A session's KV cache as a slot in a model server's shared pool; its forwards are batched
+    with other sessions' by the :class:`BatchScheduler` (the counterpart of
+    :class:`crossdraft.runtime.sessions.OwnKV`). The session's length is kept here: a rollback only moves
+    it, and the pool follows at the session's next forward."""
+
+    def __init__(self, scheduler: BatchScheduler):
+        self.sched = scheduler
+        self.slot = KVSlot()
+        self.n = 0
+        self.last = ForwardInfo()  # how the latest forward was batched
+
+    def length(self) -> int:
+        return self.n
+
+    def crop(self, n: int) -> None:
+        if n > self.n:
+            raise ValueError(f"cannot crop a cache of {self.n} tokens to {n}")
+        self.n = n
+
+    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+        out, self.last = self.sched.forward(self.slot, start, feed, keep, head)
+        self.n = start + len(feed)
+        return out
+
+    def fork(self) -> "PooledKV":
+        """A new slot sharing this one's keys and values (pool blocks, copied only when written)."""
+        other = PooledKV(self.sched)
+        other.n = self.sched.fork(self.slot, other.slot, self.n)
+        return other
+
+    def close(self) -> None:
+        self.sched.release(self.slot)
+
+
+# rows up to this many tokens batch together whatever their lengths (verification blocks, drafting
+# steps, short syncs): padding them to the longest costs little
+SHORT_ROW = 32
+
+
+def _mixes(rows: int, longest: int, n: int, max_tokens: int) -> bool:
+    """Whether a row of ``n`` tokens joins a batch of ``rows`` rows (the longest ``longest``). The
+    forward pads every row to the longest: it computes rows x longest tokens. A long row (a
+    prefill chunk) among one-token steps would make each of them cost its length --
+    seen on a CPU: 16 sessions starting at once, each new prompt's 150-token chunk padded the 15
+    others' decoding steps to 150 tokens, a 2,400-token forward for 165 real ones. So a batch
+    stays within ``max_tokens`` padded, and a row longer than SHORT_ROW joins (or is joined) only
+    where that adds at most SHORT_ROW tokens of padding to the forward (about what a forward of its
+    own costs beyond its tokens: two chunks of about one length batch, a chunk and a one-token step
+    do not); the row set aside runs in the next forward."""
+    t = max(longest, n)
+    padded = (rows + 1) * t
+    if padded > max_tokens:
+        return False
+    return t <= SHORT_ROW or padded - rows * longest - n <= SHORT_ROW
+
+
+def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
+    """(rows to run now, rows for the next forward). Every row is padded to the longest, and on a
+    CPU a forward's cost grows with its tokens: one session's 11-token block among 15 one-token
+    steps makes a forward of 176 tokens (~7 decoding steps of a 1.5B model on 2 cores, against
+    ~2.5 for the steps and the block apart). With the model's cost table (``cost_ms``) the batch
+    is cut by length where that is cheaper: the rows up to some length or the rows from some length
+    on run now -- always with the oldest row (``batch[0]``: no row waits more than one extra
+    forward) -- the rest in the next forward, whichever costs least for both forwards together.
+    On a GPU the table is flat and the batch stays whole; without a table it does too (rows longer
+    than SHORT_ROW were already kept apart by :func:`_mixes`)."""
+    if not cost_ms or len(batch) < 2:
+        return batch, []
+    lens = sorted({len(j.tokens) for j in batch})
+    if len(lens) < 2:
+        return batch, []
+    first = len(batch[0].tokens)
+
+    def total(now: list[int], rest: list[int]) -> float:
+        c = interpolate_cost(cost_ms, len(now) * max(now), 0.0)
+        return c + (interpolate_cost(cost_ms, len(rest) * max(rest), 0.0) if rest else 0.0)
+
+    sizes = [len(j.tokens) for j in batch]
+    best = total(sizes, [])  # (whole: the cut must be clearly cheaper to win)
+    keep = None
+    # the cuts that keep the oldest row and leave rows for later: rows <= L (first <= L < longest),
+    # or rows >= L (shortest < L <= first)
+    cuts = [(L, True) for L in lens if first <= L < lens[-1]] + [(L, False) for L in lens if lens[0] < L <= first]
+    for L, short in sorted(cuts, key=lambda c: (c[0], not c[1])):  # (by length; at a tie the first wins)
+        inside = [(n <= L) if short else (n >= L) for n in sizes]
+        pairs = list(zip(sizes, inside, strict=True))
+        c = total([n for n, x in pairs if x], [n for n, x in pairs if not x])
+        if c < 0.9 * best:
+            best, keep = c, inside
+    if keep is None:
+        return batch, []
+    return [j for j, x in zip(batch, keep, strict=True) if x], [j for j, x in zip(batch, keep, strict=True) if not x]
+
+
+def _chunks(tokens: list[int], chunk: int, keep: int):
+    """(piece, is_last) of at most `chunk` tokens each; the last piece holds at least `keep`
+    tokens (the rows whose logits are wanted are computed in one forward)."""
+    sizes = [chunk] * (len(tokens) // chunk)
+    if len(tokens) % chunk:
+        sizes.append(len(tokens) % chunk)
+    if len(sizes) > 1 and sizes[-1] < keep:
+        move = min(keep - sizes[-1], sizes[-2])
+        sizes[-2] -= move
+        sizes[-1] += move
+        if sizes[-2] == 0:
+            del sizes[-2]
+    i = 0
+    for j, n in enumerate(sizes):
+        yield tokens[i:i + n], j == len(sizes) - 1
+        i += n
+
+
+def pool_tokens(cfg: BatchConfig, max_sessions: int, max_context: int, bytes_per_token: int = 0,
+                available_bytes: int = 0, device_type: str = "cpu") -> int:
+    """The KV pool's size in tokens: the flag when set; else room for max_sessions sessions of
+    min(context, 4096) tokens, capped to a share of the memory available now (0.2 of the host's on
+    CPU, where other processes live beside the server; 0.8 of the GPU's free memory on CUDA), and
+    never below one session's worth."""
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens
+    per = min(max_context or 4096, 4096)
+    want = max(1, max_sessions) * per
+    if bytes_per_token > 0 and available_bytes > 0:
+        share = cfg.kv_cache_memory_fraction or (0.8 if device_type == "cuda" else 0.2)
+        want = min(want, int(share * available_bytes) // bytes_per_token)
+    return max(per, want)
+
+
+__all__ = ["BatchConfig", "BatchScheduler", "BatchStats", "ForwardInfo", "KVSlot", "PooledKV", "pool_tokens"]

@@ -1,0 +1,290 @@
+"""Int8 drafter weights (crossdraft/models/quant.py): the kernel's numbers, when it is used, and that a
+quantized drafter changes nothing but speed -- greedy output equal to the target alone, sampled
+output distributed as the target's, one token fed per draft step.
+
+Tiny random-init models (real transformers modules, fake weights); the int8 kernel is the real
+``torch.ops.aten._weight_int8pack_mm`` on this CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from crossdraft.decoding.sampling import SamplingParams
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.errors import InvalidArgument
+from crossdraft.models import quant
+from crossdraft.runtime import costs
+from crossdraft.runtime.sessions import AllowedSet, DrafterSession, apply_head
+from tests.tiny_models import tiny_lm
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch has no _weight_int8pack_mm")
+
+PROMPTS = ["def add(a, b):\n    return", "import numpy as np\n\nclass Model:\n    def __init__(self):"]
+
+
+def _linear(in_f: int, out_f: int, dtype, bias=False) -> nn.Linear:
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    lin.requires_grad_(False)
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_take_the_int8_kernel_and_more_rows_the_float_weight(dtype, bias):
+    lin = _linear(48, 96, dtype, bias)
+    q = quant.Int8Linear.from_linear(lin, max_rows=4)
+    deq = q.dequantized()
+    # per-row symmetric int8: every weight within half a step of its row's scale
+    assert float((deq - lin.weight.float()).abs().max()) <= float(q.scales.float().max()) * 0.5 + 1e-6
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, 48, generator=g).to(dtype)
+        before = q.int8_calls
+        y = q(x)
+        assert q.int8_calls == before + 1
+        want = x.float() @ deq.T + (lin.bias.float() if bias else 0)
+        tol = (2e-2 if dtype == torch.bfloat16 else 1e-4) * (float(want.abs().max()) + 1)
+        assert y.shape == (rows, 96) and float((y.float() - want).abs().max()) <= tol
+    # a 3-D input (batch, seq, hidden) with 3 rows in all: int8 too, same shape back
+    x3 = torch.randn(1, 3, 48, generator=g).to(dtype)
+    assert q(x3).shape == (1, 3, 96) and q.int8_calls == 4
+    # more rows than max_rows (prefills, wide batches): exactly the float layer
+    x = torch.randn(5, 48, generator=g).to(dtype)
+    assert torch.equal(q(x), lin(x)) and q.int8_calls == 4
+    # the float weight is the same parameter (a tied embedding keeps working)
+    assert q.weight is lin.weight
+
+
+def test_pruned_rows_keep_their_int8_copy():
+    lin = _linear(32, 50, torch.float32)
+    q = quant.Int8Linear.from_linear(lin)
+    idx = torch.tensor([3, 7, 8, 41])
+    sub = q.rows(idx)
+    assert sub.out_features == 4 and torch.equal(sub.qweight, q.qweight[idx]) and torch.equal(sub.scales, q.scales[idx])
+    h = torch.randn(1, 32)
+    assert torch.allclose(apply_head(h, sub), q(h)[:, idx], atol=1e-6)
+    assert sub.int8_calls == 1
+    # a plain matrix head still works the same way
+    assert torch.allclose(apply_head(h, lin.weight[idx]), lin(h)[:, idx])
+
+
+def test_bf16_layers_the_kernel_cannot_take_keep_their_float_path():
+    """In bf16 the kernel needs in_features % 16 == 0 (others crashed or gave NaN in torch 2.13)."""
+    m = nn.Sequential(_linear(40, 32, torch.bfloat16), nn.ReLU(), _linear(32, 16, torch.bfloat16))
+    assert quant.quantize_int8(m) == 1
+    assert type(m[0]) is nn.Linear and isinstance(m[2], quant.Int8Linear)
+    out = m(torch.randn(1, 40).to(torch.bfloat16))
+    assert torch.isfinite(out.float()).all()
+
+
+def test_modes_resolve_per_device_and_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert quant.resolve_mode("auto", cpu, torch.bfloat16) == "int8"
+    assert quant.resolve_mode("auto", cpu, torch.float16) == "int8"
+    assert quant.resolve_mode("auto", cpu, torch.float32) == "none"  # fp32 stays exact unless asked
+    assert quant.resolve_mode("auto", cuda, torch.bfloat16) == "none"
+    assert quant.resolve_mode("int8", cpu, torch.float32) == "int8"
+    assert quant.resolve_mode(None, cpu, torch.float32) == "none"
+    with pytest.raises(InvalidArgument, match="quantize") as e:
+        quant.resolve_mode("int8", cuda, torch.bfloat16)
+    assert e.value.field == "quantize"
+    with pytest.raises(InvalidArgument, match="quantize.*int4"):
+        quant.parse_mode("int4")
+
+
+def _quantized(lm):
+    q = copy.deepcopy(lm)
+    assert quant.quantize_int8(q.model) > 0
+    return q
+
+
+@pytest.fixture(scope="module")
+def drafters(tok_t, tok_d):
+    return {"tli": _quantized(tiny_lm(tok_d, seed=2)), "same-vocab": _quantized(tiny_lm(tok_t, seed=3))}
+
+
+@pytest.mark.parametrize("pair", ["tli", "same-vocab"])
+@pytest.mark.parametrize("prune", [True, False])
+def test_a_quantized_drafter_leaves_greedy_output_unchanged(target, drafters, pair, prune, monkeypatch, tmp_path):
+    monkeypatch.setattr(AllowedSet, "prune_below", 2.0 if prune else 0.0)
+    eng = Engine(target, drafters[pair], vocab_cache_dir=tmp_path)
+    allowed = AllowedSet(eng.drafter.model, eng.pair.masks["tli"], eng.drafter.device)
+    assert isinstance(allowed.head, quant.Int8Linear) == prune  # the pruned head keeps the int8 rows
+    before = quant.int8_calls(eng.drafter.model)
+    for prompt in PROMPTS:
+        ref = eng.generate(prompt, max_new_tokens=24, use_drafter=False)
+        out = eng.generate(prompt, max_new_tokens=24, draft=DraftConfig(num_draft_tokens=4, adaptive=False))
+        assert out.token_ids == ref.token_ids
+        assert out.stats.drafted > 0
+    assert quant.int8_calls(eng.drafter.model) > before  # the body's one-token steps took the int8 kernel
+
+
+def test_draft_steps_feed_one_token_through_the_int8_kernel(target, drafters, tmp_path):
+    """Work counting with int8 weights: k proposals cost k forwards, steps after the first feed one
+    token (and take the int8 kernel); the first step feeds the uncached tail (float path if > 4 rows)."""
+    from tests.unit.runtime.test_work_counting import FeedLog
+
+    eng = Engine(target, drafters["same-vocab"], vocab_cache_dir=tmp_path)
+    model = eng.drafter.model
+    allowed = AllowedSet(model, eng.pair.masks["tli"], eng.drafter.device)
+    ids = eng.pair.encode_drafter(PROMPTS[1])
+    assert len(ids) > quant.DEFAULT_MAX_ROWS
+    sess = DrafterSession(model, ids, eng.drafter.device)
+    layers = [m for m in model.modules() if isinstance(m, quant.Int8Linear)]
+    log = FeedLog(model)
+    try:
+        k = 5
+        c0 = sum(m.int8_calls for m in layers)
+        toks = list(sess.draft_iter(k, 0, SamplingParams(), 0, allowed))
+        assert len(toks) == k and len(log.calls) == k
+        assert [len(c[0]) for c in log.calls] == [len(ids)] + [1] * (k - 1)
+        # every body layer ran the int8 kernel once per one-token step (the prompt's prefill used the float
+        # weight); the LM head sees one kept row at every step, the first included
+        head = model.lm_head
+        assert isinstance(head, quant.Int8Linear) and allowed.head is None
+        assert sum(m.int8_calls for m in layers) - c0 == (len(layers) - 1) * (k - 1) + k
+    finally:
+        log.close()
+
+
+def test_a_quantized_drafter_keeps_sampling_lossless(tok_t, monkeypatch):
+    """A same-vocabulary int8 drafter close to its target (the accept branch carries most of the
+    mass): recorded rounds are checked exactly (tests/exact.py), and a seeded chi-square of the first
+    two sampled tokens guards the whole path end to end."""
+    from tests import exact
+    from tests.unit import test_engine_tiny as T
+
+    target = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7, head_scale=25.0, with_eos=False)
+    drafter = copy.deepcopy(target)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for prm in drafter.model.parameters():
+            prm.add_(0.3 * prm.std() * torch.randn_like(prm))
+    quant.quantize_int8(drafter.model)
+    eng = Engine(target, drafter)
+    params = SamplingParams(temperature=1.0)
+    with monkeypatch.context() as mp:
+        cap = T._capture_runs(eng, params, mp)
+        # the drafter's rows are not compared with a fresh forward of the drafter: its one-token steps
+        # run the int8 kernel and a forward over the whole context the float weights, so the two differ
+        # by the quantization; losslessness needs only that each draft is drawn from the q it ships,
+        # which is checked exactly
+        report = exact.check_rounds(cap, target.model, eng.pair.d2t, drafter_model=None, limit=8)
+    assert report.nodes >= 20 and float(np.mean(report.accept_mass)) > 0.3
+    assert any(0 < a < 1 for a in report.accept_mass)
+    rate = T._check_distribution(eng, params, n=2_000)
+    assert rate > 0.3
+    assert quant.int8_calls(drafter.model) > 0
+
+
+@pytest.mark.parametrize("attr, before, after", [
+    ("quantize", "none", "int8"),                # int8 weight copies change the small forwards' times
+    ("quantize_act", "float32", "bfloat16"),     # an fp32 model's int8 layers: which activations
+    ("cpu_linear", "plain", "packed"),           # oneDNN-packed fp32 layers (crossdraft.models.cpulinear)
+])
+def test_the_cost_cache_keys_on_the_weights_variant(tmp_path, attr, before, after):
+    class L:
+        path = tmp_path
+        device = torch.device("cpu")
+        dtype = torch.float32
+
+    setattr(L, attr, before)
+    a = costs._cache_key(L, 17)
+    setattr(L, attr, after)
+    assert a and costs._cache_key(L, 17) not in (None, a)
+
+
+def test_verifier_weights_stay_exact():
+    from crossdraft.serving.modelserver import ModelServerConfig, quantize_for
+
+    assert quantize_for("verifier", ModelServerConfig(model="x", quantize="auto")) == "none"
+    assert quantize_for("drafter", ModelServerConfig(model="x", quantize="auto")) == "auto"
+    with pytest.raises(InvalidArgument, match="only a drafter") as e:
+        quantize_for("verifier", ModelServerConfig(model="x", quantize="int8"))
+    assert e.value.field == "quantize"
+
+
+def test_int8_rows_match_the_float_model_closely(tok_t):
+    """The quantized model's one-token logits stay close to the float model's (same argmax here)."""
+    lm = tiny_lm(tok_t, seed=5)
+    q = _quantized(lm)
+    ids = torch.tensor([lm.tokenizer("def f(x):\n    return x")["input_ids"]])
+    with torch.inference_mode():
+        a = lm.model(input_ids=ids).logits[0, -1]
+        quant.set_max_rows(q.model, 1 << 30)  # every row through the kernel
+        b = q.model(input_ids=ids).logits[0, -1]
+    assert int(a.argmax()) == int(b.argmax())
+    assert float(np.corrcoef(a.numpy(), b.numpy())[0, 1]) > 0.999
+
+
+@pytest.mark.parametrize("kind, args, needle", [
+    ("verifier", ["--quantize", "int8"], "quantize: a verifier keeps the target's exact weights"),
+    ("drafter", ["--quantize", "int4"], "quantize: must be one of auto, none, int8"),
+])
+def test_servers_refuse_a_bad_quantize_flag_before_loading(kind, args, needle):
+    """Real server processes: the flag is checked before any model loads (exit 2, the field named)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", kind, "--model", "no-such-model", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+
+
+def test_fp32_layers_can_run_the_kernel_on_bf16_activations():
+    """An fp32 drafter's int8 layer with act_dtype=bf16: few rows take the kernel on the input rounded
+    to bf16 (the result back in fp32), wide calls the float weight or the layer's ``wide`` module."""
+    from crossdraft.models import cpulinear
+
+    lin = _linear(48, 96, torch.float32, bias=True)
+    q = quant.Int8Linear.from_linear(lin, max_rows=4, act_dtype=torch.bfloat16)
+    assert q.scales.dtype == torch.bfloat16 and q.weight is lin.weight
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 48, generator=g)
+    y = q(x)
+    assert y.dtype == torch.float32 and q.int8_calls == 1
+    want = x.bfloat16().float() @ q.dequantized().T + lin.bias
+    assert float((y - want).abs().max()) <= 2e-2 * (float(want.abs().max()) + 1)
+    wide = torch.randn(6, 48, generator=g)
+    assert torch.equal(q(wide), lin(wide)) and q.int8_calls == 1
+    if cpulinear.available():
+        q.wide = cpulinear.PackedLinear(lin, keep_dense=True)
+        assert torch.equal(q(wide), q.wide(wide)) and q.wide.calls == 2 and q.int8_calls == 1
+    # pruned rows keep the activation dtype
+    assert q.rows(torch.tensor([1, 5])).act_dtype == torch.bfloat16
+
+
+def test_choose_fp32_names_an_activation_dtype_or_declines(tok_d):
+    lm = tiny_lm(tok_d, seed=2, hidden=64)
+    got = quant.choose_fp32(lm.model)
+    assert got in (None, torch.float32, torch.bfloat16)
+    assert quant.choose_fp32(lm.model, required=True) in (torch.float32, torch.bfloat16)  # int8 asked for
+
+
+def test_an_fp32_int8_drafter_with_packed_wide_calls_leaves_greedy_output_unchanged(target, tok_d, tmp_path):
+    from crossdraft.models import cpulinear
+
+    d = copy.deepcopy(tiny_lm(tok_d, seed=2, hidden=64))
+    assert quant.quantize_int8(d.model, act_dtype=torch.bfloat16) > 0
+    if cpulinear.available():
+        assert cpulinear.pack_linears(d.model, "packed") == "packed"
+        assert all(m.wide is not None for m in d.model.modules() if isinstance(m, quant.Int8Linear))
+    eng = Engine(target, d, vocab_cache_dir=tmp_path)
+    before = quant.int8_calls(d.model)
+    drafted = 0
+    for prompt in PROMPTS:
+        ref = eng.generate(prompt, max_new_tokens=24, use_drafter=False)
+        out = eng.generate(prompt, max_new_tokens=24, draft=DraftConfig(num_draft_tokens=4, adaptive=False))
+        assert out.token_ids == ref.token_ids
+        drafted += out.stats.drafted
+    assert drafted > 0 and quant.int8_calls(d.model) > before
+    if cpulinear.available():  # the prompt's prefill went through the packed float weights
+        assert cpulinear.packed_calls(d.model) > 0
