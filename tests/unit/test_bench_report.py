@@ -1,7 +1,7 @@
 """benchmarks/bench.py's report: with --paired, a prompt's ratio is the median over the repeats of
 each run's speed over its own neighbouring target-only run, not a ratio of two medians taken
-minutes apart (on a shared machine whose speed drifts, the latter once read 0.66x for a run whose
-neighbours said 1.0x). Synthetic rows: the report's arithmetic, not a benchmark."""
+minutes apart (on a shared machine whose speed drifts, the latter can read 0.66x for a run whose
+neighbours say 1.0x). Synthetic rows: the report's arithmetic, not a benchmark."""
 
 from __future__ import annotations
 

@@ -266,7 +266,7 @@ def test_the_lm_head_sees_only_the_kept_rows_as_a_fresh_tensor(target):
     """Work counted in the LM head: a forward that keeps fewer rows than it feeds (a prefill, the
     drafter's first step of a block, a verification with an uncached tail) runs the head on exactly
     the kept rows, gathered into a tensor of their own. (A strided view of the feed's hidden states
-    sent a bf16 head down a ~40x slower path on an AMX CPU; see benchmarks/results/notes.md.)"""
+    sent a bf16 head down a ~40x slower path on an AMX CPU; see commit 676e98c.)"""
     from crossdraft.runtime.sessions import OwnKV
 
     seen = []
@@ -315,7 +315,7 @@ def test_text_drafting_reports_drafter_steps_per_target_token(target, drafters, 
 def test_the_round_loop_never_rechecks_a_tokenizer_table(target, drafters, monkeypatch, tmp_path):
     """The byte tables are looked up once, when the pair is built. Checking a table for staleness
     (vocab._fingerprint) costs 0.2 ms per call for Gemma-3's tokenizer and ran ~7 times per round."""
-    from crossdraft.vocab import mapping as V
+    from crossdraft.vocab import tokenbytes as V
 
     eng = Engine(target, drafters["tli"], vocab_cache_dir=tmp_path)
     calls = []
