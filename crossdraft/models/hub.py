@@ -367,40 +367,58 @@ def fetch_files(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool 
     Offline (HF_HUB_OFFLINE): the cache only; a snapshot without weights (a tokenizer-only
     download) is an error when ``weights``.
     """
-    from huggingface_hub import HfApi, snapshot_download
-
-    E = _hub_errors()
     hit = cached_snapshot(spec)
     if is_offline():
-        files = snapshot_files(hit[1]) if hit is not None else None
-        gguf = choose_gguf(spec, files, cached=True) if files is not None else None
-        if hit is not None and gguf is None and weights and not has_weights(hit[1]):
-            raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
-                             f"({hit[1]}: no *.safetensors, *.bin or *.gguf); {_download_hint(spec)}")
-        try:  # huggingface_hub's own resolution: refs/<branch or tag> -> snapshots/<commit>, checked
-            # complete against the file listing cached at download time (for the files we fetch)
-            snap = Path(snapshot_download(spec.repo_id, revision=spec.revision, cache_dir=str(hub_cache_dir()),
-                                          local_files_only=True, ignore_patterns=_ignore_patterns(gguf),
-                                          allow_patterns=_allow_patterns(files, weights=weights,
-                                                                         trust_remote_code=trust_remote_code,
-                                                                         gguf=gguf)))
-        except E.IncompleteSnapshotError as e:
-            raise ModelError(f"the cached snapshot of Hugging Face model {str(spec)!r} is incomplete (an interrupted "
-                             f"download?): {e}; {_download_hint(spec)}") from e
-        except E.LocalEntryNotFoundError as e:
-            raise _offline_error(spec) from e
-        except E.HFValidationError as e:
-            raise translate_error(spec, e) from e
-        commit = snap.name
-        if gguf is not None:
-            return commit, snap, gguf
-        if not (snap / "config.json").is_file() and weights:
-            raise ModelError(f"the cached snapshot {snap} of Hugging Face model {str(spec)!r} has no config.json; "
-                             f"{_download_hint(spec)}")
-        if weights and not has_weights(snap):
-            raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
-                             f"({snap}: no *.safetensors or *.bin); {_download_hint(spec)}")
-        return commit, snap, None
+        return _fetch_offline(spec, hit, weights=weights, trust_remote_code=trust_remote_code)
+    return _fetch_online(spec, hit, weights=weights, trust_remote_code=trust_remote_code, token=token,
+                         progress=progress)
+
+
+def _fetch_offline(spec: HubSpec, hit: tuple[str, Path] | None, *, weights: bool,
+                   trust_remote_code: bool) -> tuple[str, Path, str | None]:
+    """:func:`fetch_files` from the cache alone; ``hit`` is :func:`cached_snapshot`'s answer."""
+    from huggingface_hub import snapshot_download
+
+    E = _hub_errors()
+    files = snapshot_files(hit[1]) if hit is not None else None
+    gguf = choose_gguf(spec, files, cached=True) if files is not None else None
+    if hit is not None and gguf is None and weights and not has_weights(hit[1]):
+        raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
+                         f"({hit[1]}: no *.safetensors, *.bin or *.gguf); {_download_hint(spec)}")
+    try:  # huggingface_hub's own resolution: refs/<branch or tag> -> snapshots/<commit>, checked
+        # complete against the file listing cached at download time (for the files we fetch)
+        snap = Path(snapshot_download(spec.repo_id, revision=spec.revision, cache_dir=str(hub_cache_dir()),
+                                      local_files_only=True, ignore_patterns=_ignore_patterns(gguf),
+                                      allow_patterns=_allow_patterns(files, weights=weights,
+                                                                     trust_remote_code=trust_remote_code,
+                                                                     gguf=gguf)))
+    except E.IncompleteSnapshotError as e:
+        raise ModelError(f"the cached snapshot of Hugging Face model {str(spec)!r} is incomplete (an interrupted "
+                         f"download?): {e}; {_download_hint(spec)}") from e
+    except E.LocalEntryNotFoundError as e:
+        raise _offline_error(spec) from e
+    except E.HFValidationError as e:
+        raise translate_error(spec, e) from e
+    commit = snap.name
+    if gguf is not None:
+        return commit, snap, gguf
+    if not (snap / "config.json").is_file() and weights:
+        raise ModelError(f"the cached snapshot {snap} of Hugging Face model {str(spec)!r} has no config.json; "
+                         f"{_download_hint(spec)}")
+    if weights and not has_weights(snap):
+        raise ModelError(f"the cache holds only the tokenizer/config of Hugging Face model {str(spec)!r} "
+                         f"({snap}: no *.safetensors or *.bin); {_download_hint(spec)}")
+    return commit, snap, None
+
+
+def _fetch_online(spec: HubSpec, hit: tuple[str, Path] | None, *, weights: bool, trust_remote_code: bool,
+                  token: str | None, progress: bool) -> tuple[str, Path, str | None]:
+    """:func:`fetch_files` through the Hub; a complete cached ``hit`` serves a commit hash without asking
+    the Hub, and serves any revision when the Hub cannot be reached."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    E = _hub_errors()
 
     def cached_if_complete() -> tuple[str, Path, str | None] | None:
         if hit is None:
@@ -412,8 +430,6 @@ def fetch_files(spec: HubSpec, *, weights: bool = True, trust_remote_code: bool 
 
     if COMMIT_HASH.match(spec.ref) and (done := cached_if_complete()) is not None:
         return done  # a commit never changes: nothing to ask the Hub
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
     bars_were_off = are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()
