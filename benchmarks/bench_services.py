@@ -53,7 +53,7 @@ from bench import _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 
 from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.models import catalog as M  # noqa: E402
+from crossdraft.models import loading as M  # noqa: E402
 from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import Proc, free_port, gateway, wait_grpc_healthy, wait_http_ready  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 @dataclass
 class Loaded:
-    """What a worker reads of crossdraft.models.catalog.LoadedModel (no tokenizer needed to verify)."""
+    """What a worker reads of crossdraft.models.loading.LoadedModel (no tokenizer needed to verify)."""
 
     model: torch.nn.Module
     tokenizer: object

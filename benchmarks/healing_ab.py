@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import MIXED_PROMPTS, git_commit, humaneval_prompts  # noqa: E402
 
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
-from crossdraft.models.catalog import fast_dtype, load_model  # noqa: E402
+from crossdraft.models.loading import fast_dtype, load_model  # noqa: E402
 
 
 def main() -> None:

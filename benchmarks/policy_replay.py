@@ -96,7 +96,7 @@ def record(out: Path, target: str, drafter: str, n_prompts: int, max_new: int, q
     import bench  # noqa: E402
 
     from crossdraft.engine import Engine
-    from crossdraft.models import catalog as M
+    from crossdraft.models import loading as M
     from crossdraft.runtime import costs
 
     prompts = bench.prompt_set("humaneval+mixed", n_prompts)

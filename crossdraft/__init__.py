@@ -2,7 +2,7 @@
 
 The core package holds transport-free pieces shared by the CLI, the in-process engine and the
 services: sampling + acceptance math (:mod:`crossdraft.decoding.sampling`), vocabulary mapping
-(:mod:`crossdraft.vocab.mapping`), model loading and the catalog (:mod:`crossdraft.models.catalog`) and the
+(:mod:`crossdraft.vocab.mapping`), model loading and the catalog (:mod:`crossdraft.models`) and the
 reference engine (:mod:`crossdraft.engine`).
 """
 

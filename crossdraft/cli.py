@@ -213,29 +213,30 @@ def _sampling_from_args(a):
 def cmd_generate(a) -> int:
     """`crossdraft generate`: load the models, generate once, print the text (stats on stderr) or JSON."""
     from crossdraft.engine import Engine
-    from crossdraft.models import catalog as M
+    from crossdraft.models.loading import fast_dtype, load_model
+    from crossdraft.models.resolve import resolve_model
 
     params, draft = _sampling_from_args(a)
     if not a.prompt:
         raise InvalidArgument("prompt", "must be a non-empty string")
     # resolve names first: an unknown model fails in milliseconds, before any loading
-    M.resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
+    resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
     if a.drafter:
-        M.resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
+        resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
     elif a.drafter_revision:
         raise InvalidArgument("drafter_revision", "given without --drafter")
     elif a.drafter_file:
         raise InvalidArgument("drafter_file", "given without --drafter")
-    target = M.load_model(a.target, device=a.device, dtype=a.target_dtype or M.fast_dtype(a.device),
-                          revision=a.target_revision, trust_remote_code=a.trust_remote_code,
-                          cpu_linear=getattr(a, "cpu_linear", None), model_file=a.target_file)
+    target = load_model(a.target, device=a.device, dtype=a.target_dtype or fast_dtype(a.device),
+                        revision=a.target_revision, trust_remote_code=a.trust_remote_code,
+                        cpu_linear=getattr(a, "cpu_linear", None), model_file=a.target_file)
     drafter = None
     if a.drafter:
-        drafter = M.load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or M.fast_dtype(a.device),
-                               revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
-                               model_file=a.drafter_file,
-                               quantize=getattr(a, "drafter_quantize", "auto"),
-                               cpu_linear=getattr(a, "cpu_linear", None))
+        drafter = load_model(a.drafter, device=a.device, dtype=a.drafter_dtype or fast_dtype(a.device),
+                             revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
+                             model_file=a.drafter_file,
+                             quantize=getattr(a, "drafter_quantize", "auto"),
+                             cpu_linear=getattr(a, "cpu_linear", None))
     engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB))
     prompt = a.prompt
     if a.chat:
@@ -302,10 +303,11 @@ def cmd_request(a) -> int:
 
 def cmd_models(a) -> int:
     """`crossdraft models list|pull|path`: the model catalog and its local cache."""
-    from crossdraft.models import catalog as M
+    from crossdraft.models.catalog import list_models, model_path
+    from crossdraft.models.pulling import pull
 
     if a.models_cmd == "list":
-        rows = M.list_models()
+        rows = list_models()
         if a.json:
             print(json.dumps(rows, default=str))
         else:
@@ -314,10 +316,10 @@ def cmd_models(a) -> int:
                 print(f"{r['name']:<22} vocab {r.get('vocab_size', '?'):>7}  {state}")
         return 0
     if a.models_cmd == "pull":
-        print(M.pull(a.name, progress=True, force=a.force))
+        print(pull(a.name, progress=True, force=a.force))
         return 0
     if a.models_cmd == "path":
-        print(M.model_path(a.name))
+        print(model_path(a.name))
         return 0
     if a.models_cmd == "download":
         return _models_download(a)
@@ -326,14 +328,15 @@ def cmd_models(a) -> int:
 
 def _models_download(a) -> int:
     """`crossdraft models download NAME`: a Hub id into the HF cache (the chart's init container), or a pull."""
-    from crossdraft.models import catalog as M
     from crossdraft.models import hub
+    from crossdraft.models.pulling import pull
+    from crossdraft.models.resolve import resolve_model
 
     if not a.name:
         raise InvalidArgument("model", "give a catalog name or a Hub id (or set CROSSDRAFT_MODEL)")
-    ref = M.resolve_model(a.name, revision=a.revision, model_file=a.file)
+    ref = resolve_model(a.name, revision=a.revision, model_file=a.file)
     if ref.kind == "catalog":
-        print(M.pull(ref.name, progress=True))
+        print(pull(ref.name, progress=True))
         return 0
     if ref.kind != "hub":
         print(ref.path)  # a local path: nothing to download
@@ -346,16 +349,17 @@ def _models_download(a) -> int:
 
 def cmd_vocab(a) -> int:
     """`crossdraft vocab`: print the vocabulary report of a target's and a drafter's tokenizers."""
-    from crossdraft.models import catalog as M
-    from crossdraft.vocab import mapping as V
+    from crossdraft.models.resolve import resolve_model
+    from crossdraft.models.tokenizers import load_tokenizer
+    from crossdraft.vocab import report as V
 
-    M.resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
-    M.resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
+    resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
+    resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)
     rep = V.vocab_report(
-        M.load_tokenizer(a.target, revision=a.target_revision, trust_remote_code=a.trust_remote_code,
-                         model_file=a.target_file),
-        M.load_tokenizer(a.drafter, revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
-                         model_file=a.drafter_file))
+        load_tokenizer(a.target, revision=a.target_revision, trust_remote_code=a.trust_remote_code,
+                       model_file=a.target_file),
+        load_tokenizer(a.drafter, revision=a.drafter_revision, trust_remote_code=a.trust_remote_code,
+                       model_file=a.drafter_file))
     rep["target"], rep["drafter"] = a.target, a.drafter
     if a.json:
         print(json.dumps(rep, default=str))

@@ -28,7 +28,7 @@ __all__ = ["DraftConfig", "Engine", "GenerationResult", "SamplingParams", "Stats
 class Engine:
     """Speculative decoding with a target and an optional drafter, in one process.
 
-    target / drafter: :class:`crossdraft.models.catalog.LoadedModel`-like objects with ``model``,
+    target / drafter: :class:`crossdraft.models.loading.LoadedModel`-like objects with ``model``,
     ``tokenizer``, ``device``, ``eos_token_ids`` and ``vocab_size``. The round loop is
     :class:`crossdraft.decoding.decode.Decoder` over in-process workers -- the same code the gateway runs
     over gRPC, so both produce the same tokens.

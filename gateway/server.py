@@ -183,7 +183,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     pools: optional (verifier Pool, drafter Pool or None) kept current by the caller (tests feed
     them recorded EndpointSlices); default: from cfg (static lists or Kubernetes watches).
     """
-    from crossdraft.models.catalog import load_tokenizer
+    from crossdraft.models.tokenizers import load_tokenizer
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway

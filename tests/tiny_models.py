@@ -14,7 +14,7 @@ import torch
 
 @dataclass
 class TinyLM:
-    """Same attributes the engine reads from crossdraft.models.catalog.LoadedModel."""
+    """Same attributes the engine reads from crossdraft.models.loading.LoadedModel."""
 
     model: torch.nn.Module
     tokenizer: object

@@ -241,7 +241,7 @@ def main(kind: str, default_port: int, service_name: str, servicer, add_servicer
 
 def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_name: str, servicer) -> int:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
-    from crossdraft.models.catalog import fast_dtype, load_model, parse_device
+    from crossdraft.models.loading import fast_dtype, load_model, parse_device
     from crossdraft.runtime import costs, memory
     from crossdraft.serving import rpc, telemetry
 

@@ -78,7 +78,7 @@ def stack(tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="package")
 def engine(tiny_dirs):
     from crossdraft.engine import Engine
-    from crossdraft.models.catalog import load_model
+    from crossdraft.models.loading import load_model
 
     t_dir, d_dir = tiny_dirs
     return Engine(load_model(str(t_dir), dtype="float32"), load_model(str(d_dir), dtype="float32"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from crossdraft.models import catalog as M
+from crossdraft.models import loading as M
 from crossdraft.serving.redis_server import RedisServer
 from tests.service_fixtures import free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crossdraft.models.catalog import CATALOG, is_pulled, list_models, load_model, model_path
+from crossdraft.models.catalog import CATALOG, is_pulled, list_models, model_path
+from crossdraft.models.loading import load_model
 
 pytestmark = pytest.mark.real_models
 

@@ -17,7 +17,7 @@ import torch
 
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
-from crossdraft.models import catalog as M
+from crossdraft.models import loading as M
 
 pytestmark = pytest.mark.real_models
 

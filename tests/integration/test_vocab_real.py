@@ -22,7 +22,7 @@ _LOADED: dict = {}
 
 def tok(name):
     if name not in _LOADED:
-        from crossdraft.models.catalog import load_tokenizer
+        from crossdraft.models.tokenizers import load_tokenizer
 
         _LOADED[name] = load_tokenizer(name)
     return _LOADED[name]

@@ -1,4 +1,4 @@
-"""Models named by Hugging Face Hub id (crossdraft.models.hub, crossdraft.models.catalog), offline.
+"""Models named by Hugging Face Hub id (crossdraft.models: hub, resolve, loading), offline.
 
 The Hub is NOT reachable from the machines these tests run on. So:
 
@@ -24,8 +24,10 @@ from pathlib import Path
 import pytest
 
 from crossdraft.errors import InvalidArgument, ModelError, UnknownModel
-from crossdraft.models import catalog as M
 from crossdraft.models import hub
+from crossdraft.models.loading import load_model
+from crossdraft.models.resolve import resolve_model
+from crossdraft.models.tokenizers import load_tokenizer
 from tests.hub_fixtures import add_snapshot, fake_commit, gguf_sources, hub_env
 from tests.service_fixtures import save_tiny_pair
 
@@ -112,12 +114,12 @@ def test_cache_dir_follows_env_now(monkeypatch, tmp_path):
 
 
 def test_resolve_branch_tag_and_commit(offline):
-    main = M.resolve_model(T_REPO)
+    main = resolve_model(T_REPO)
     assert (main.kind, main.name, main.revision) == ("hub", T_REPO, C2)
     assert main.path == offline / "hub" / "models--tiny-org--tiny-target" / "snapshots" / C2
-    assert M.resolve_model(f"{T_REPO}@v1").revision == C1
-    assert M.resolve_model(T_REPO, revision="v1").revision == C1
-    assert M.resolve_model(f"{T_REPO}@{C1}").revision == C1
+    assert resolve_model(f"{T_REPO}@v1").revision == C1
+    assert resolve_model(T_REPO, revision="v1").revision == C1
+    assert resolve_model(f"{T_REPO}@{C1}").revision == C1
 
 
 def test_local_path_wins_over_hub_id(offline, tmp_path, monkeypatch):
@@ -127,60 +129,60 @@ def test_local_path_wins_over_hub_id(offline, tmp_path, monkeypatch):
     for f in t_dir.iterdir():
         (local / f.name).write_bytes(f.read_bytes())
     monkeypatch.chdir(tmp_path)
-    ref = M.resolve_model("tiny-org/tiny-target")
+    ref = resolve_model("tiny-org/tiny-target")
     assert ref.kind == "hf_dir" and ref.path == local.resolve() and ref.revision == ""
     with pytest.raises(InvalidArgument, match="local path"):
-        M.resolve_model("tiny-org/tiny-target", revision="main")
+        resolve_model("tiny-org/tiny-target", revision="main")
 
 
 def test_revision_of_a_catalog_model_is_refused():
     with pytest.raises(InvalidArgument, match="catalog"):
-        M.resolve_model("smollm2-135m", revision="main")
+        resolve_model("smollm2-135m", revision="main")
 
 
 def test_unknown_revision_offline_names_what_is_cached(offline):
     with pytest.raises(UnknownModel) as e:
-        M.resolve_model(f"{T_REPO}@no-such-branch")
+        resolve_model(f"{T_REPO}@no-such-branch")
     msg = str(e.value)
     assert "no-such-branch" in msg and T_REPO in msg
     assert f"main -> {C2}" in msg and f"v1 -> {C1}" in msg  # what the cache does hold
     assert "crossdraft models download" in msg and "HF_HUB_OFFLINE" in msg
     with pytest.raises(UnknownModel, match=fake_commit("never")):
-        M.load_model(f"{T_REPO}@{fake_commit('never')}")
+        load_model(f"{T_REPO}@{fake_commit('never')}")
 
 
 def test_uncached_id_offline(offline):
     with pytest.raises(ModelError) as e:
-        M.resolve_model("nobody/uncached-model")
+        resolve_model("nobody/uncached-model")
     msg = str(e.value)
     assert "'nobody/uncached-model'" in msg and "not in the cache" in msg and str(offline / "hub") in msg
     assert "crossdraft models download nobody/uncached-model" in msg
     with pytest.raises(ModelError, match="not in the cache"):
-        M.load_tokenizer("nobody/uncached-model")
+        load_tokenizer("nobody/uncached-model")
 
 
 def test_tokenizer_only_snapshot(offline):
-    tok = M.load_tokenizer("tiny-org/tokenizer-only")  # enough for `crossdraft vocab`
+    tok = load_tokenizer("tiny-org/tokenizer-only")  # enough for `crossdraft vocab`
     assert len(tok) > 10
     with pytest.raises(ModelError, match="only the tokenizer"):
-        M.load_model("tiny-org/tokenizer-only")
+        load_model("tiny-org/tokenizer-only")
 
 
 def test_unknown_spec_message_mentions_hub_ids():
     with pytest.raises(UnknownModel, match="Hugging Face Hub id"):
-        M.resolve_model("not-a-catalog-name")
+        resolve_model("not-a-catalog-name")
 
 
 # ------------------------------------------------------------------------------------- loading
 
 
 def test_load_model_from_hub_cache(offline):
-    lm = M.load_model(T_REPO)
+    lm = load_model(T_REPO)
     assert (lm.kind, lm.name, lm.revision) == ("hub", T_REPO, C2)
     assert lm.vocab_size == lm.model.get_output_embeddings().weight.shape[0]
-    pinned = M.load_model(f"{T_REPO}@{C1}")
+    pinned = load_model(f"{T_REPO}@{C1}")
     assert pinned.revision == C1
-    assert M.load_model(T_REPO, revision="v1").revision == C1
+    assert load_model(T_REPO, revision="v1").revision == C1
     ids = lm.tokenizer("def add(a, b):")["input_ids"]
     assert ids == pinned.tokenizer("def add(a, b):")["input_ids"]
 
@@ -201,10 +203,10 @@ def test_trust_remote_code_is_off_unless_asked(offline, monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy_model)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy_tok)
-    M.load_model(D_REPO)
+    load_model(D_REPO)
     assert seen and all(flag is False for _, flag in seen)
     seen.clear()
-    M.load_model(D_REPO, trust_remote_code=True)
+    load_model(D_REPO, trust_remote_code=True)
     assert {kind for kind, flag in seen if flag is True} == {"model", "tokenizer"}
 
 
@@ -261,7 +263,7 @@ def fake_hub(monkeypatch, tmp_path):
 
 def test_gated_repo_without_token(fake_hub):
     with pytest.raises(ModelError) as e:
-        M.load_model("fake-org/gated")
+        load_model("fake-org/gated")
     msg = str(e.value)
     assert "'fake-org/gated' is gated" in msg and "https://huggingface.co/fake-org/gated" in msg
     assert "HF_TOKEN" in msg and "hfTokenSecret" in msg
@@ -271,19 +273,19 @@ def test_gated_repo_without_token(fake_hub):
 def test_gated_repo_with_a_token_without_access(fake_hub, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_not_granted")
     with pytest.raises(ModelError, match="has not been granted access"):
-        M.load_tokenizer("fake-org/gated")
+        load_tokenizer("fake-org/gated")
 
 
 def test_unknown_repo_online(fake_hub):
     with pytest.raises(UnknownModel) as e:
-        M.load_model("fake-org/missing")
+        load_model("fake-org/missing")
     msg = str(e.value)
     assert "unknown Hugging Face model 'fake-org/missing'" in msg and "check the id" in msg and "HF_TOKEN" in msg
 
 
 def test_unknown_revision_online(fake_hub):
     with pytest.raises(UnknownModel) as e:
-        M.load_model("fake-org/real@nope")
+        load_model("fake-org/real@nope")
     msg = str(e.value)
     assert "'fake-org/real' has no revision 'nope'" in msg and "--revision" in msg
 
@@ -302,7 +304,7 @@ def test_hub_unreachable_and_nothing_cached(monkeypatch, tmp_path):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ModelError) as e:
-        M.load_model("fake-org/anything")
+        load_model("fake-org/anything")
     msg = str(e.value)
     assert "'fake-org/anything'" in msg and "could not be reached" in msg and "crossdraft models download" in msg
 
@@ -320,9 +322,9 @@ def test_hub_unreachable_but_cached_uses_the_cache(hf_home, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "hub"))
-    assert M.load_tokenizer(T_REPO) is not None  # main -> C2 from the cache
+    assert load_tokenizer(T_REPO) is not None  # main -> C2 from the cache
     # a commit hash needs no Hub at all
-    assert M.load_model(f"{D_REPO}@{D1}").revision == D1
+    assert load_model(f"{D_REPO}@{D1}").revision == D1
 
 
 @pytest.mark.parametrize("exc_name,cls,needle", [
@@ -354,7 +356,7 @@ def test_every_hub_exception_is_translated(exc_name, cls, needle, monkeypatch, t
 
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", raise_it)
     with pytest.raises(cls, match=needle) as e:
-        M.load_model("o/n@rev")
+        load_model("o/n@rev")
     assert "o/n" in str(e.value)
 
 
@@ -473,8 +475,8 @@ def test_download_then_offline(hf_home, monkeypatch, tmp_path):
         monkeypatch.delenv("HF_TOKEN", raising=False)
         cache = tmp_path / "hf" / "hub"
         monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-        assert M.resolve_model("fake-org/real").revision == ""  # not cached yet: resolved at load
-        lm = M.load_model("fake-org/real")
+        assert resolve_model("fake-org/real").revision == ""  # not cached yet: resolved at load
+        lm = load_model("fake-org/real")
         assert (lm.name, lm.revision) == ("fake-org/real", _ServingHub.commit)
         snap = cache / "models--fake-org--real" / "snapshots" / _ServingHub.commit
         got = {p.name for p in snap.rglob("*") if not p.is_dir()}
@@ -485,12 +487,12 @@ def test_download_then_offline(hf_home, monkeypatch, tmp_path):
     finally:
         srv.shutdown()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is gone: the cache answers
-    again = M.load_model("fake-org/real")
+    again = load_model("fake-org/real")
     assert again.revision == _ServingHub.commit
     # a file lost from the snapshot (an interrupted download): huggingface_hub's cached file listing says so
     (snap / "tokenizer_config.json").unlink()
     with pytest.raises(ModelError, match="incomplete"):
-        M.load_model("fake-org/real")
+        load_model("fake-org/real")
 
 
 # ------------------------------------------------------------------------------------- flags and env
@@ -535,14 +537,14 @@ def test_pull_missing_false_uses_the_cache_only(hf_home, monkeypatch):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "hub"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing there: a request would fail
-    assert M.load_model(T_REPO, pull_missing=False).revision == C2
+    assert load_model(T_REPO, pull_missing=False).revision == C2
     with pytest.raises(ModelError, match="crossdraft models download nobody/else"):
-        M.load_tokenizer("nobody/else", pull_missing=False)
+        load_tokenizer("nobody/else", pull_missing=False)
     with pytest.raises(ModelError, match="not \\(completely\\) in the cache"):
-        M.load_model("tiny-org/tokenizer-only", pull_missing=False)
+        load_model("tiny-org/tokenizer-only", pull_missing=False)
     with pytest.raises(ModelError, match="'tiny-org/tiny-gguf:Q4_0' is not \\(completely\\) in the cache"):
-        M.load_model(f"{G_REPO}:Q4_0", pull_missing=False)  # the snapshot holds the Q8_0 GGUF only
-    assert M.load_model(G_REPO, pull_missing=False, progress=False, cpu_linear="plain").revision == G1
+        load_model(f"{G_REPO}:Q4_0", pull_missing=False)  # the snapshot holds the Q8_0 GGUF only
+    assert load_model(G_REPO, pull_missing=False, progress=False, cpu_linear="plain").revision == G1
 
 
 def test_cost_tables_of_the_test_models_stay_in_the_test_home(offline, monkeypatch):
@@ -551,7 +553,7 @@ def test_cost_tables_of_the_test_models_stay_in_the_test_home(offline, monkeypat
     from crossdraft.runtime import costs
 
     monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
-    lm = M.load_model(T_REPO)
+    lm = load_model(T_REPO)
     assert costs.forward_ms(lm, 2)
     home = Path(os.environ["CROSSDRAFT_HOME"])
     assert home.is_relative_to(offline) and sorted((home / "costs").glob("*.json"))
@@ -622,59 +624,59 @@ def _greedy(lm, prompt="def add(a, b):", n=12) -> list[int]:
 def local_gguf_greedy() -> dict[str, list[int]]:
     """Greedy tokens of each GGUF loaded from its local path: what every Hub spelling must give."""
     g = gguf_sources()
-    return {q: _greedy(M.load_model(str(g / f"tiny-{q}.gguf"), progress=False, cpu_linear="plain"))
+    return {q: _greedy(load_model(str(g / f"tiny-{q}.gguf"), progress=False, cpu_linear="plain"))
             for q in ("Q8_0", "Q4_0")}
 
 
 def test_gguf_repo_loads_by_id(offline, local_gguf_greedy, caplog):
     import logging
 
-    ref = M.resolve_model(G_REPO)
+    ref = resolve_model(G_REPO)
     assert (ref.kind, ref.revision, ref.gguf_file) == ("hub", G1, "tiny-Q8_0.gguf")
-    with caplog.at_level(logging.INFO, logger="crossdraft.models.catalog"):
-        lm = M.load_model(G_REPO, progress=False, cpu_linear="plain")
+    with caplog.at_level(logging.INFO, logger="crossdraft.models.loading"):
+        lm = load_model(G_REPO, progress=False, cpu_linear="plain")
     assert (lm.kind, lm.name, lm.revision) == ("hub", G_REPO, G1)
     assert lm.vocab_size == 400 and len(lm.tokenizer) == 400
     assert _greedy(lm) == local_gguf_greedy["Q8_0"]  # token-identical to the same GGUF from a local path
     assert local_gguf_greedy["Q8_0"] != local_gguf_greedy["Q4_0"]  # (the two quantisations do differ)
     assert any("tiny-Q8_0.gguf" in r.getMessage() and "dequantised to float32: " in r.getMessage()
                and "KiB" in r.getMessage() for r in caplog.records), caplog.text
-    assert len(M.load_tokenizer(G_REPO)) == 400  # the tokenizer comes from the GGUF
+    assert len(load_tokenizer(G_REPO)) == 400  # the tokenizer comes from the GGUF
 
 
 def test_gguf_repo_by_tag_and_by_file(offline, local_gguf_greedy):
-    by_tag = M.load_model(f"{MULTI_REPO}:q4_0", progress=False, cpu_linear="plain")  # any case
-    assert (by_tag.revision, M.resolve_model(f"{MULTI_REPO}:q4_0").gguf_file) == (M1, "tiny-Q4_0.gguf")
+    by_tag = load_model(f"{MULTI_REPO}:q4_0", progress=False, cpu_linear="plain")  # any case
+    assert (by_tag.revision, resolve_model(f"{MULTI_REPO}:q4_0").gguf_file) == (M1, "tiny-Q4_0.gguf")
     assert _greedy(by_tag) == local_gguf_greedy["Q4_0"]
-    by_file = M.load_model(MULTI_REPO, model_file="tiny-Q8_0.gguf", revision="v1", progress=False,
+    by_file = load_model(MULTI_REPO, model_file="tiny-Q8_0.gguf", revision="v1", progress=False,
                            cpu_linear="plain")
     assert by_file.revision == M1 and _greedy(by_file) == local_gguf_greedy["Q8_0"]
-    assert M.resolve_model(f"{MULTI_REPO}:Q8_0@{M1}", model_file="tiny-Q8_0.gguf").gguf_file == "tiny-Q8_0.gguf"
+    assert resolve_model(f"{MULTI_REPO}:Q8_0@{M1}", model_file="tiny-Q8_0.gguf").gguf_file == "tiny-Q8_0.gguf"
 
 
 def test_gguf_repo_errors(offline, tmp_path):
     with pytest.raises(InvalidArgument) as e:  # at resolve time: no loading
-        M.resolve_model(MULTI_REPO)
+        resolve_model(MULTI_REPO)
     msg = str(e.value)
     assert e.value.field == "model_file" and "holds 4 GGUF files" in msg
     assert all(f in msg for f in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf", *SPLIT_PARTS))
     assert f"{MULTI_REPO}:<QUANT>" in msg and "--model-file" in msg
     with pytest.raises(InvalidArgument, match="holds 4 GGUF files"):
-        M.load_model(MULTI_REPO)
+        load_model(MULTI_REPO)
     with pytest.raises(InvalidArgument, match="^model: no GGUF .*'Q5_K_M' .*tiny-Q4_0.gguf.*crossdraft models "
                                               "download tiny-org/multi-gguf:Q5_K_M"):
-        M.load_model(f"{MULTI_REPO}:Q5_K_M")
+        load_model(f"{MULTI_REPO}:Q5_K_M")
     with pytest.raises(InvalidArgument, match="^model_file: .* has no file 'nope.gguf'.*--file nope.gguf"):
-        M.load_tokenizer(MULTI_REPO, model_file="nope.gguf")
+        load_tokenizer(MULTI_REPO, model_file="nope.gguf")
     for spec in (SPLIT_REPO, f"{MULTI_REPO}:F16"):
         with pytest.raises(InvalidArgument, match="part 1 of a GGUF split into 2 files .*gguf-split.*--merge"):
-            M.load_model(spec)
+            load_model(spec)
     with pytest.raises(InvalidArgument, match="^model_file: .*local path"):
-        M.resolve_model(str(gguf_sources() / "tiny-Q8_0.gguf"), model_file="tiny-Q4_0.gguf")
+        resolve_model(str(gguf_sources() / "tiny-Q8_0.gguf"), model_file="tiny-Q4_0.gguf")
     with pytest.raises(InvalidArgument, match="^model_file: .*catalog model"):
-        M.resolve_model("smollm2-135m", model_file="x.gguf")
+        resolve_model("smollm2-135m", model_file="x.gguf")
     with pytest.raises(InvalidArgument, match="cached snapshot .*tiny-gguf:Q4_0.*holds tiny-Q8_0.gguf.*HF_HUB_OFFLINE"):
-        M.load_model(f"{G_REPO}:Q4_0")
+        load_model(f"{G_REPO}:Q4_0")
 
 
 def test_gguf_repo_download_fetches_one_gguf(monkeypatch, tmp_path, local_gguf_greedy):
@@ -697,19 +699,19 @@ def test_gguf_repo_download_fetches_one_gguf(monkeypatch, tmp_path, local_gguf_g
         cache = tmp_path / "hf" / "hub"
         monkeypatch.setenv("HF_HUB_CACHE", str(cache))
         with pytest.raises(InvalidArgument, match="repo 'fake-org/real' holds 4 GGUF files"):
-            M.load_model("fake-org/real")
+            load_model("fake-org/real")
         assert not any("/resolve/" in r for r in _ServingHub.requests)
-        lm = M.load_model("fake-org/real:Q4_0", progress=False, cpu_linear="plain")
+        lm = load_model("fake-org/real:Q4_0", progress=False, cpu_linear="plain")
         assert lm.revision == _ServingHub.commit and _greedy(lm) == local_gguf_greedy["Q4_0"]
         snap = cache / "models--fake-org--real" / "snapshots" / _ServingHub.commit
         assert {str(p.relative_to(snap)) for p in snap.rglob("*") if not p.is_dir()} == {"Q4_0/tiny-Q4_0.gguf"}
     finally:
         srv.shutdown()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub is gone: the cache answers, the one GGUF needs no tag
-    assert M.resolve_model("fake-org/real").gguf_file == "Q4_0/tiny-Q4_0.gguf"
+    assert resolve_model("fake-org/real").gguf_file == "Q4_0/tiny-Q4_0.gguf"
     with pytest.raises(InvalidArgument,
                        match="no GGUF of the cached snapshot .*'Q8_0'.*Q4_0/tiny-Q4_0.gguf.*HF_HUB_OFFLINE"):
-        M.load_model("fake-org/real:Q8_0")
+        load_model("fake-org/real:Q8_0")
 
 
 def test_cli_generate_gguf_repo(hf_home):

