@@ -131,7 +131,7 @@ def cpu_now(procs: dict[str, int]) -> dict[str, float]:
 def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool, seed: int) -> dict:
     body = {"prompt": prompt, "max_tokens": a.max_new_tokens, "temperature": temperature, "seed": seed,
             "use_drafter": use_drafter}
-    if a.unseeded and temperature > 0:  # no seed: the gateway prices drafting like greedy (gateway.core.draft_config)
+    if a.unseeded and temperature > 0:  # no seed: the gateway prices drafting like greedy (gateway.job.draft_config)
         del body["seed"]
     t0 = time.perf_counter()
     r = requests.post(url + "/v1/completions", json=body, timeout=3600)

@@ -211,7 +211,7 @@ def first_divergence(x: list[int], y: list[int]) -> int | None:
 
 def profile_gateway(stack: Stack, prompt: str, a, seed: int) -> dict:
     from crossdraft.serving import telemetry
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.server import build_gateway
 
     provider = telemetry.setup_tracing("crossdraft-gateway-bench", set_global=False)

@@ -8,6 +8,8 @@ ready pod, keeps later rounds on the pod recorded for the session (its KV cache 
 moves the session when that pod is gone -- the new pod rebuilds the cache from the history. The
 connection to a pod that left its pool is closed once no call uses it (:meth:`Placement.prune`):
 pods come and go with every rollout, and a gateway must not keep a channel per address it ever saw.
+:func:`colocated` says whether a drafter and a verifier compute on one host (the draft-length policy
+prices a colocated drafter's steps by the verification they stall).
 """
 
 from __future__ import annotations
@@ -259,3 +261,34 @@ class Placement:
             if time.time() - t0 >= timeout_s:
                 return None
             pool.wait_nonempty(min(1.0, timeout_s))
+
+
+_LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
+
+
+def _host(addr: str) -> str:
+    """The host part of a gRPC target (host:port, [v6]:port, dns:///host:port, ipv4:host:port)."""
+    a = addr.strip()
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if a.startswith(scheme):
+            a = a[len(scheme):]
+    if a.startswith("["):
+        return a[1:a.find("]")].lower() if "]" in a else a.lower()
+    if a.count(":") == 1:
+        a = a.split(":", 1)[0]
+    return a.lower()
+
+
+def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
+    """Whether the drafter at d_addr computes on the same hardware as the verifier at v_addr: "yes",
+    "no", or "auto" -- both on this host's loopback, or the same host."""
+    if setting in ("yes", "no"):
+        return setting == "yes"
+    if not d_addr:
+        return False
+    hv, hd = _host(v_addr), _host(d_addr)
+
+    def local(h: str) -> bool:
+        return h in _LOOPBACK or h.startswith("127.")
+
+    return (local(hv) and local(hd)) or (hv == hd and hv != "")

@@ -14,7 +14,7 @@ from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.errors import CrossdraftError, InvalidArgument
 from crossdraft.serving.tls import TLSConfig
 
-from .core import GatewayConfig
+from .config import GatewayConfig
 
 SERVICE_NAME = "crossdraft.v1.GatewayService"
 log = logging.getLogger("crossdraft.gateway")

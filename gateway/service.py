@@ -5,7 +5,9 @@ from __future__ import annotations
 from crossdraft.errors import ResourceExhausted
 from crossdraft.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-from .core import OPTION_FIELDS, Gateway, check_api_key, key_owner
+from .auth import check_api_key, key_owner
+from .core import Gateway
+from .validation import OPTION_FIELDS
 
 
 def options_from_proto(m) -> dict:

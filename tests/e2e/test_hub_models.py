@@ -91,7 +91,7 @@ def test_gateway_refuses_replicas_of_another_revision(hub_pods):
     """Two verifiers serve revisions main and v1 of the same model: the gateway is not ready, names
     the refused replica and both commits, and never pairs a session with it."""
     from crossdraft.errors import Unavailable
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.discovery import Pool
     from gateway.server import build_gateway
 
@@ -144,7 +144,7 @@ def test_server_with_an_uncached_or_unknown_revision_fails_clearly(hub_pods):
 def test_a_drafter_of_another_revision_is_not_paired(hub_pods):
     """Two drafters serve commits D1 and D2 of the same model: a session recorded on the one the
     gateway did not pair runs target-only and says why, instead of drafting from other weights."""
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.discovery import Pool
     from gateway.server import build_gateway
 
@@ -184,7 +184,7 @@ def test_a_gateway_left_on_the_old_revision_asks_to_be_restarted(hub_pods):
     import asyncio
     import json
 
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.discovery import Pool
     from gateway.rest import RestApi
     from gateway.server import build_gateway

@@ -30,7 +30,7 @@ def watched_gateway(redis, verifiers: list[str], drafter: str):
     """A gateway core whose pools follow EndpointSlice events (one slice per verifier pod, v-1, v-2,
     ...; the drafter in d-1) as a Kubernetes API server would send them; (gateway, verifier watcher,
     verifier pool)."""
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.server import build_gateway
 
     vpool, dpool = Pool("verifier"), Pool("drafter")

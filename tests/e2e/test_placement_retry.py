@@ -75,7 +75,7 @@ def reference(engine):
 def core(replicas: Replicas, addrs: list[str], last: tuple[str, ...] = ()):
     """A gateway core over the verifier replicas `addrs` (no drafter); the ones in `last` hold HOLD
     placement slots each, so that a request chooses them only after every other one refused it."""
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.server import build_gateway
 
     cfg = GatewayConfig(verifier=None, redis_url=replicas.redis.url, connect_timeout_s=60)
@@ -139,7 +139,7 @@ def test_requests_refused_by_a_full_replica_move_to_one_with_room(replicas, refe
 def test_every_replica_full_is_429_naming_it(replicas, reference):
     """(c, all full) R is the only replica: a request it cannot hold beside a busy session fails
     with ResourceExhausted (REST 429 with Retry-After) naming it and why."""
-    from gateway.rest import error_response
+    from gateway.rest_errors import error_response
 
     gw = core(replicas, [replicas.r])
     failed = failures(gw, reference)
@@ -185,7 +185,7 @@ def test_a_stopped_replica_is_skipped_and_its_sessions_move(replicas, reference)
 def test_full_and_stopped_replicas_are_503_naming_each(replicas, reference):
     """(c, mixed) F is stopped and R is small: a request R cannot hold beside its busy sessions has
     no replica left; its error names both (R full, F unavailable) and is Unavailable (REST 503)."""
-    from gateway.rest import error_response
+    from gateway.rest_errors import error_response
 
     replicas.stop_f()
     gw = core(replicas, [replicas.r])

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = ["def add(a, b):\n", "    # then the loop\n", "\nclass Foo:\n", "\n# and a test\n"]
 BEFORE = 2  # turns run before the kill; the rest run after the move
-# a request moved off a verifier replica that refused it before its first token (gateway.core.Job._place)
+# a request moved off a verifier replica that refused it before its first token (gateway.job.Job._place)
 RETRIES = 'crossdraft_placement_retries_total{kind="verifier",reason="unavailable"}'
 OPTS = dict(max_new_tokens=24, temperature=0.0, adaptive_draft=False, num_draft_tokens=4)
 
@@ -116,7 +116,7 @@ def _extends(after: Session, before: Session, turn) -> None:
 
 @pytest.fixture(scope="module")
 def sent(tiny_dirs):
-    """Drafter ids a turn's sync sends: the stored history's, then the prompt's (gateway.core.Job)."""
+    """Drafter ids a turn's sync sends: the stored history's, then the prompt's (gateway.job.Job)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dirs[1]))

@@ -26,7 +26,7 @@ ROUND_ATTRS = ("crossdraft.round.index", "crossdraft.round.draft_tokens_requeste
 
 @pytest.fixture(scope="module")
 def traced(tiny_dirs, tmp_path_factory):
-    from gateway.core import GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.server import build_gateway
 
     t_dir, d_dir = tiny_dirs

@@ -140,7 +140,7 @@ def test_sampling_without_a_callers_seed_prices_drafting_like_greedy(eng):
     """Static costs keep a seeded rejection-rule run reproducible; an unseeded one (a one-off request
     without `seed`) has nothing to reproduce and uses the measured costs and the load, and so does
     a seeded one with coupled draws, whose text does not depend on the blocks drafted."""
-    from gateway.core import draft_config
+    from gateway.job import draft_config
 
     hot = SamplingParams(temperature=0.7)
     assert draft_config({}, hot, 4).cost_model == "measured"
@@ -399,7 +399,7 @@ def test_the_gateway_tells_whether_a_drafter_shares_its_verifiers_hardware(monke
     """--colocated auto: both model servers on the loopback (or one host) share it; yes / no say so;
     anything else is refused naming the flag."""
     from crossdraft.errors import InvalidArgument
-    from gateway.core import colocated
+    from gateway.discovery import colocated
     from gateway.server import build_parser, config_from_args
 
     assert colocated("auto", "127.0.0.1:50061", "localhost:50062")

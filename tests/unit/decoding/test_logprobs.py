@@ -108,7 +108,7 @@ def test_bad_top_logprobs_is_refused(target, drafter, tok_t, tok_d, bad):
 def test_openai_shapes_of_logprobs(target, drafter, tok_t, tok_d):
     """The REST shapes: completions {tokens, token_logprobs, top_logprobs, text_offset}; chat
     {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
-    from gateway.rest import _logprobs_json
+    from gateway.rest_json import logprobs_json as _logprobs_json
 
     pair = TokenPair(tok_t, tok_d, target.vocab_size, drafter.vocab_size)
     ids = pair.encode_target("hello world")

@@ -188,7 +188,7 @@ def test_placement_skips_the_pods_that_refused():
 
 def test_refused_error_names_every_replica_and_keeps_the_status():
     from crossdraft.errors import ResourceExhausted, Unavailable
-    from gateway.core import refused_error
+    from gateway.job import refused_error
 
     full = ResourceExhausted("verifier 127.0.0.1:5001: kv cache full: 6 of 6 blocks held by busy sessions; retry later")
     down = Unavailable("verifier 127.0.0.1:5002 UNAVAILABLE: failed to connect to all addresses")

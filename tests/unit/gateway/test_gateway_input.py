@@ -1,4 +1,4 @@
-"""The gateway's checks of a request's input (gateway.core.check_input), which run before the
+"""The gateway's checks of a request's input (gateway.validation.check_input), which run before the
 request takes an admission slot (Gateway.precheck): each names the field as the caller's API spells
 it."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from crossdraft.errors import InvalidArgument
-from gateway.core import GatewayConfig, check_input
+from gateway.config import GatewayConfig
+from gateway.validation import check_input
 
 CFG = GatewayConfig(verifier=None, redis_url="redis://unused", max_prompt_chars=50)
 

@@ -17,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from crossdraft.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from gateway.clients import RemoteVerifier
-from gateway.core import Gateway, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
 from gateway.discovery import Placement, Pool
 from gateway.rest import RestApi
 

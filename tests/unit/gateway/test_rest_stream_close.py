@@ -18,7 +18,7 @@ import time
 import anyio
 import pytest
 
-from gateway.rest import ClosingStreamingResponse
+from gateway.rest_stream import ClosingStreamingResponse
 
 
 def _events(state: dict, n: int = 1000):

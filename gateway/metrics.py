@@ -1,0 +1,73 @@
+"""The gateway's Prometheus metrics, and a run's speculative statistics as the APIs report them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("crossdraft_requests_total", "Requests by API and outcome", ["api", "status"],
+                                registry=r)
+        self.tokens = Counter("crossdraft_completion_tokens_total", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("crossdraft_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.forks = Counter("crossdraft_prefill_forks_total",
+                             "Model-server sessions forked from a shared prompt prefill (n completions)", registry=r)
+        self.rounds = Counter("crossdraft_rounds_total", "Verification rounds", registry=r)
+        self.drafted = Counter("crossdraft_drafted_tokens_total", "Draft tokens verified", registry=r)
+        self.accepted = Counter("crossdraft_accepted_tokens_total", "Draft tokens accepted", registry=r)
+        self.pos_drafted = Counter("crossdraft_drafted_by_position_total", "Drafts verified at each block position",
+                                   ["position"], registry=r)
+        self.pos_accepted = Counter("crossdraft_accepted_by_position_total", "Drafts accepted at each block position",
+                                    ["position"], registry=r)
+        self.round_seconds = Histogram(
+            "crossdraft_round_seconds", "Round latency split by phase", ["phase"], registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.fallbacks = Counter("crossdraft_drafter_fallbacks_total", "Requests that went on target-only", registry=r)
+        self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
+        self.queued = Gauge("crossdraft_queued_requests", "Requests waiting for a slot (--max-concurrent-requests)",
+                            registry=r)
+        self.placement_retries = Counter(
+            "crossdraft_placement_retries_total",
+            "Requests moved to another replica because the chosen one refused them before their first token "
+            "(reason: resource_exhausted or unavailable)", ["kind", "reason"], registry=r)
+
+    def round(self, ev) -> None:
+        self.rounds.inc()
+        self.drafted.inc(ev.drafted)
+        self.accepted.inc(ev.accepted)
+        for i in range(ev.drafted):
+            self.pos_drafted.labels(str(i)).inc()
+            if i < ev.accepted:
+                self.pos_accepted.labels(str(i)).inc()
+        self.round_seconds.labels("draft").observe(ev.draft_s)
+        self.round_seconds.labels("verify").observe(ev.verify_s)
+        self.round_seconds.labels("overhead").observe(ev.overhead_s)
+
+
+def stats_dict(stats) -> dict:
+    d = stats.to_dict()
+    return {
+        "mode": d["mode"], "draft_mode": d["draft_mode"], "draws": d["draws"], "rounds": d["rounds"],
+        "drafted": d["drafted"],
+        "accepted": d["accepted"], "acceptance_rate": d["acceptance_rate"],
+        "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
+        "skipped_rounds": d["skipped_rounds"], "drafter_fallback": d["drafter_fallback"],
+        "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
+        "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
+        "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
+    }
+
+
+def add_stats(total: dict, s: dict) -> dict:
+    """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
+    out = dict(total)
+    for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "prefill_ms", "draft_ms", "verify_ms",
+              "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
+        out[k] = out.get(k, 0) + s.get(k, 0)
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0
+    out["mode"], out["draft_mode"], out["draws"] = s["mode"], s["draft_mode"], s["draws"]
+    out["drafter_fallback"] = bool(total.get("drafter_fallback")) or s["drafter_fallback"]
+    out["fallback_reason"] = s["fallback_reason"] or total.get("fallback_reason", "")
+    return out
