@@ -351,7 +351,7 @@ def cmd_vocab(a) -> int:
     """`crossdraft vocab`: print the vocabulary report of a target's and a drafter's tokenizers."""
     from crossdraft.models.resolve import resolve_model
     from crossdraft.models.tokenizers import load_tokenizer
-    from crossdraft.vocab import mapping as V
+    from crossdraft.vocab import report as V
 
     resolve_model(a.target, revision=a.target_revision, model_file=a.target_file)
     resolve_model(a.drafter, revision=a.drafter_revision, model_file=a.drafter_file)

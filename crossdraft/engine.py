@@ -20,7 +20,7 @@ from crossdraft.decoding.policy import (  # noqa: F401  (DraftConfig re-exported
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 
 __all__ = ["DraftConfig", "Engine", "GenerationResult", "SamplingParams", "Stats"]
 

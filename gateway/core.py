@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from crossdraft.decoding.decode import Decoder, check_stop
 from crossdraft.errors import NotFound, Unavailable, check_int, check_session_id
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 
 from .admission import Admission
 from .config import GatewayConfig

@@ -260,8 +260,8 @@ def bound_caches(pair, words: int = TOKENIZER_CACHE_WORDS, memo: int = MEMO_ENTR
 
 
 def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
-    """The gateway's TokenPair (crossdraft.vocab.mapping), its caches bounded (:func:`bound_caches`)."""
-    from crossdraft.vocab.mapping import TokenPair
+    """The gateway's TokenPair (crossdraft.vocab.pair), its caches bounded (:func:`bound_caches`)."""
+    from crossdraft.vocab.pair import TokenPair
 
     pair = TokenPair(t_tok, d_tok, target_vocab, drafter_vocab, **kw)
     bound_caches(pair)
@@ -323,7 +323,7 @@ def _remote_tokenizer(client):
 
 
 def _check_digest(tok, info, who: str) -> None:
-    from crossdraft.vocab.mapping import tokenizer_digest
+    from crossdraft.vocab.tokenbytes import tokenizer_digest
 
     if info["tokenizer_digest"] and tokenizer_digest(tok) != info["tokenizer_digest"]:
         raise CrossdraftError(f"the {who} tokenizer differs from the one the {who} server uses ({info['model_name']}); "

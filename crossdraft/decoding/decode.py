@@ -3,7 +3,7 @@
 :class:`Decoder` runs speculative decoding over two ports -- a verifier and (optionally) a
 drafter -- stated in :mod:`crossdraft.decoding.ports` (``VerifierPort``, ``DrafterPort``). In process the
 ports ARE the model workers; in the gateway they are gRPC clients of the drafter and verifier
-services. The loop speaks both vocabularies through :class:`crossdraft.vocab.mapping.TokenPair`; the
+services. The loop speaks both vocabularies through :class:`crossdraft.vocab.pair.TokenPair`; the
 model servers only ever see their own ids.
 
 One round: (apply the pending drafter edit and) draft k tokens -> map them to target ids (and q
@@ -27,7 +27,7 @@ from crossdraft.decoding.policy import DraftConfig, DraftPolicy, cost_ratio
 from crossdraft.decoding.ports import DrafterPort, VerifierPort
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
-from crossdraft.vocab.mapping import TokenPair, chat_ids  # noqa: F401  (the pair is the loop's vocabulary; re-exported)
+from crossdraft.vocab.pair import TokenPair, chat_ids  # noqa: F401  (the pair is the loop's vocabulary; re-exported)
 
 
 def draws_of(params) -> str:

@@ -251,7 +251,7 @@ class _Worker:
 
     def info(self) -> dict:
         if getattr(self, "_digest", None) is None:
-            from crossdraft.vocab.mapping import tokenizer_digest
+            from crossdraft.vocab.tokenbytes import tokenizer_digest
 
             self._digest = tokenizer_digest(self.loaded.tokenizer)
         if getattr(self, "_files_digest", None) is None:
@@ -397,10 +397,10 @@ class DrafterWorker(_Worker):
 
     def token_bytes(self):
         """This vocabulary's id -> bytes table for token healing (the same table the gateway's
-        vocabulary pair uses: crossdraft.vocab.mapping.token_bytes of the served tokenizer)."""
+        vocabulary pair uses: crossdraft.vocab.tokenbytes.token_bytes of the served tokenizer)."""
         if self._token_bytes is None:
             from crossdraft.vocab.healing import TokenBytes
-            from crossdraft.vocab.mapping import token_bytes
+            from crossdraft.vocab.tokenbytes import token_bytes
 
             table = TokenBytes(token_bytes(self.loaded.tokenizer))
             with self.lock:

@@ -235,7 +235,7 @@ def test_model_servers_hand_out_their_tokenizers(stack, tmp_path):
     """The gateway tokenizes with the servers' own tokenizers (no model copy needed)."""
     from transformers import AutoTokenizer
 
-    from crossdraft.vocab.mapping import token_bytes
+    from crossdraft.vocab.tokenbytes import token_bytes
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
     for cls, addr in ((RemoteVerifier, stack.verifier_addr), (RemoteDrafter, stack.drafter_addr)):

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from crossdraft.vocab import mapping as V
-from tests.unit.vocab.test_vocab import in_context_mismatches
+from crossdraft.vocab.report import vocab_report
+from crossdraft.vocab.tokenbytes import byte_table, token_bytes
+from tests.unit.vocab.checks import in_context_mismatches
 
 pytestmark = pytest.mark.real_models
 
@@ -39,13 +41,13 @@ def test_gemma_qwen_beats_hf_style_and_maps_whitespace(cache_dir):
     gemma, qwen = tok("gemma3-270m"), tok("qwen2.5-coder-0.5b")
     for target, drafter in ((qwen, gemma), (gemma, qwen)):
         m = V.build_mapping(target, drafter, cache_dir=cache_dir)
-        rep = V.vocab_report(target, drafter, cache_dir=cache_dir)
+        rep = vocab_report(target, drafter, cache_dir=cache_dir)
         print({k: v for k, v in rep.items() if k != "key"})
-        # HF-style finds 63,608; decoded-bytes matching ~96k (see crossdraft.vocab.mapping's docstring)
+        # HF-style finds 63,608; decoded-bytes matching ~96k (see crossdraft.vocab.report's docstring)
         assert rep["intersection_size"] > rep["hf_style_intersection"] + 25_000
         assert rep["intersection_size"] > 90_000
         assert rep["intersection_size"] >= rep["hf_style_correct_pairs"]
-        t_index, d_index = V._table(target).index, V._table(drafter).index
+        t_index, d_index = byte_table(target).index, byte_table(drafter).index
         for text in (b"\n", b"    ", b"\n    ", b"\n\n", b"\t", b"  ", b" the", b"def", b"\n\n\n"):
             if text in t_index and text in d_index:
                 t = t_index[text]
@@ -63,7 +65,7 @@ def test_all_pairs_numbers(t_name, d_name, cache_dir):
     t0 = time.perf_counter()
     m = V.build_mapping(target, drafter, cache_dir=cache_dir)
     built = time.perf_counter() - t0
-    rep = V.vocab_report(target, drafter, cache_dir=cache_dir)
+    rep = vocab_report(target, drafter, cache_dir=cache_dir)
     print(
         f"\ntarget={t_name:<20} drafter={d_name:<20} ours={rep['intersection_size']:>7} "
         f"hf_style={rep['hf_style_intersection']:>7} (wrong text {rep['hf_style_wrong_text_pairs']}, "
@@ -73,7 +75,7 @@ def test_all_pairs_numbers(t_name, d_name, cache_dir):
     assert 0 < m.intersection_size() <= min(len(target), len(drafter))
     assert rep["intersection_size"] >= rep["hf_style_correct_pairs"]
     d = np.flatnonzero(m.d2t >= 0)
-    tb, db = V.token_bytes(target), V.token_bytes(drafter)
+    tb, db = token_bytes(target), token_bytes(drafter)
     assert all(db[i] == tb[m.d2t[i]] for i in d[:: max(1, len(d) // 5000)])
     if tb == db:  # e.g. the two Qwen2.5-Coder sizes share one tokenizer
         ok = np.array([b is not None for b in tb])
@@ -92,7 +94,7 @@ def test_sampled_pairs_decode_identically(a_name, b_name, cache_dir):
     rng = np.random.default_rng(0)
     sample = rng.choice(mapped, size=min(2000, len(mapped)), replace=False)
     # always include the whitespace-heavy tokens HF-style misses
-    extra = [i for i, x in enumerate(V.token_bytes(a)) if x is not None and m.d2t[i] >= 0
+    extra = [i for i, x in enumerate(token_bytes(a)) if x is not None and m.d2t[i] >= 0
              and (b"\n" in x or b"\t" in x or x.startswith(b"  "))][:500]
     pairs = [(int(d), int(m.d2t[d])) for d in {*sample.tolist(), *extra}]
     bad = in_context_mismatches(a, b, pairs)
@@ -103,12 +105,12 @@ def test_a_mapping_in_the_disk_cache_is_read_not_rebuilt(cache_dir, monkeypatch)
     """A gateway restarting on a pair it mapped before reads the mapping from the disk cache: the
     second build computes nothing (the tokenizers' bytes tables are memoized per object; the
     mapping, forgotten in memory, is loaded from its file) and gives the same mapping."""
-    from tests.unit.vocab.test_vocab import _count_vocab_work
+    from tests.unit.vocab.checks import count_vocab_work
 
     gemma, qwen = tok("gemma3-270m"), tok("qwen2.5-coder-0.5b")
     first = V.build_mapping(qwen, gemma, cache_dir=cache_dir)
     V._MEMORY.clear()  # per-tokenizer byte tables stay memoized
-    counts = _count_vocab_work(monkeypatch)
+    counts = count_vocab_work(monkeypatch)
     m = V.build_mapping(qwen, gemma, cache_dir=cache_dir)
     assert counts == {"table": 0, "compute": 0, "load": 1, "save": 0}
     assert m is not first and m.key == first.key

@@ -13,7 +13,7 @@ from crossdraft.decoding.sampling import SamplingParams, process_logits
 from crossdraft.errors import InvalidArgument
 from crossdraft.runtime.batching import BatchConfig
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 from tests.tiny_models import tiny_lm
 
 WCFG = WorkerConfig(max_sessions=16)

@@ -14,7 +14,7 @@ from crossdraft.decoding.policy import DraftConfig
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 from tests.tiny_models import tiny_lm
 
 WCFG = WorkerConfig(max_sessions=16)

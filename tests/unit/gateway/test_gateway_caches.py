@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 from gateway.server import MEMO_ENTRIES, TOKENIZER_CACHE_WORDS, bound_caches, token_pair
 from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer, sentencepiece_like_tokenizer
 

@@ -20,7 +20,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.batching import BatchConfig, KVSlot
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
-from crossdraft.vocab.mapping import TokenPair
+from crossdraft.vocab.pair import TokenPair
 from tests.tiny_models import tiny_lm
 
 GREEDY = SamplingParams()

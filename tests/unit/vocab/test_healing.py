@@ -14,7 +14,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
 from crossdraft.runtime.sessions import AllowedSet, DrafterSession
 from crossdraft.vocab.healing import TokenBytes
-from crossdraft.vocab.mapping import token_bytes
+from crossdraft.vocab.tokenbytes import token_bytes
 from tests.tiny_models import tiny_lm
 from tests.unit.runtime.test_work_counting import FeedLog
 
