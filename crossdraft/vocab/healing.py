@@ -10,8 +10,8 @@ ever accepted.
 Healing backs off that last token P and lets the drafter choose again, among the tokens that agree
 with P's bytes: those that start with them (P and more) and, when P is all whitespace, those that
 are a proper prefix of them (the rest of P is then required of the next proposals). Prefixes only
-for whitespace: offered a word such as " Create", SmolLM2 preferred a lone " " (then "Create"), an
-unnatural split after which it drafted worse than without healing; for indentation the split is
+for whitespace: offered a word such as " Create", SmolLM2 prefers a lone " " (then "Create"), an
+unnatural split after which it drafts worse than without healing; for indentation the split is
 the point. If the drafter's choice is P itself nothing changes,
 and the forward that scored P's position is the one that had to feed P anyway (the first forward of
 a block feeds the last two ids and keeps both rows of logits), so healing costs no extra forward.
