@@ -4,10 +4,10 @@ Qwen2.5, Llama 3 and Gemma 3 share each key/value head among several query heads
 mask and more than one query token, transformers' ``sdpa`` attention (5.x) copies the keys and
 values once per query head of the group (``repeat_kv``) before calling
 ``torch.nn.functional.scaled_dot_product_attention``: a batched verification of 16 sessions x 5
-tokens over ~575 history columns copies 2 x 16 x 12 x 575 x 128 values per layer. Measured on a
-2-vCPU Xeon (AMX, bf16), qwen2.5-coder-1.5b: those copies were 42% of that forward's CPU time, and
-the forward cost 1.75x a single session's forward of the same 80 tokens -- which the cost tables
-(timed on one session) did not see, so the draft policy overpriced drafting under load.
+tokens over ~575 history columns copies 2 x 16 x 12 x 575 x 128 values per layer. On a 2-vCPU
+Xeon (AMX, bf16) with qwen2.5-coder-1.5b those copies are 42% of that forward's CPU time and make
+it cost 1.75x a single session's forward of the same 80 tokens, a cost the cost tables (timed on
+one session) do not see, so the draft policy would overprice drafting under load.
 
 torch's own ``enable_gqa=True`` reads the shared heads in place, and on a CPU its kernel gives the
 bitwise-same output as the copied heads (tests/unit/models/test_attention.py checks that, bf16 and fp32,
@@ -16,7 +16,7 @@ attention registry under ``"sdpa"``: on a CPU, for a GQA layer with a mask and m
 token, it calls torch with ``enable_gqa=True``; every other call (one query token: transformers
 packs the group's queries instead of copying; CUDA, where a masked GQA call falls back to the
 math kernel; softcapping, dropout, position biases) goes to transformers' own function unchanged.
-So the numbers stay what they were and only the copies go.
+So the outputs stay the same and only the copies go.
 """
 
 from __future__ import annotations

@@ -3,16 +3,16 @@
 Why: speculative decoding pays only if verifying a block of k tokens costs little more than
 decoding one. On a CPU a one-token forward is bound by reading the weights; a k-token forward
 should cost about the same plus k times the arithmetic. torch's default fp32 path
-(``F.linear`` -> MKL sgemm) does not get there on every CPU: measured on a 2-vCPU AMD EPYC with
-AVX2 only (torch 2.13, MKL 2024.2), a 1536 -> 8960 projection took 3.6 ms for 1 row, 7.4 ms for 2
-and 11-14 ms for 4-8 rows, so a whole Qwen2.5-Coder-1.5B forward of 3-8 tokens cost 2.8x a
-one-token one and no drafter could pay. The same layer through oneDNN with its weight reordered
-once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` +
-``_linear_pointwise``, what torch's own CPU compiler uses for frozen weights) took 2.7 ms for 1
-row, 2.6 for 2, 3.4 for 4, 4.1 for 8 and 54 ms instead of 69 for a 256-row prefill chunk.
+(``F.linear`` -> MKL sgemm) does not get there on every CPU: on a 2-vCPU AMD EPYC with AVX2 only
+(torch 2.13, MKL 2024.2) a 1536 -> 8960 projection takes 3.6 ms for 1 row, 7.4 ms for 2 and
+11-14 ms for 4-8 rows, so a whole Qwen2.5-Coder-1.5B forward of 3-8 tokens costs 2.8x a one-token
+one and no drafter can pay. The same layer through oneDNN with its weight reordered once into
+oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, what
+torch's own CPU compiler uses for frozen weights) takes 2.7 ms for 1 row, 2.6 for 2, 3.4 for 4,
+4.1 for 8 and 54 ms instead of 69 for a 256-row prefill chunk.
 
 A second property matters for losslessness tests: with the packed weight, every row of a k-row
-call is bitwise equal to the same row computed alone (MKL's k-row and 1-row results differed by
+call is bitwise equal to the same row computed alone (MKL's k-row and 1-row results differ by
 ~2e-6), so the linear layers of an fp32 verification block compute exactly what one-token
 decoding computes (attention may still round differently).
 
@@ -35,7 +35,7 @@ from torch import nn
 
 MODES = ("auto", "packed", "plain")
 ENV = "CROSSDRAFT_CPU_LINEAR"
-ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; measured best for 1-16 rows
+ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; the fastest for 1-16 rows
 
 
 def available() -> bool:

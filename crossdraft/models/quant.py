@@ -3,9 +3,9 @@
 Why only the drafter: speculative decoding stays lossless whatever the drafter computes, as long as
 the probabilities it reports are those it sampled from; the target's weights must stay exact (its
 greedy output must equal the target alone). On a CPU a one-token decoding step is bound by memory
-bandwidth: measured on a 2-vCPU AMX Xeon, torch 2.13, qwen2.5-coder-0.5b in bf16, ~75% of a step
-is the matmuls reading weights from DRAM. ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, one
-scale per output row, activations in the model's dtype) reads half of bf16's bytes and ran a
+bandwidth: on a 2-vCPU AMX Xeon (torch 2.13, qwen2.5-coder-0.5b in bf16) ~75% of a step is the
+matmuls reading weights from DRAM. ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, one
+scale per output row, activations in the model's dtype) reads half of bf16's bytes and runs a
 4864x896 projection in 0.35 ms instead of 0.61 ms with a working set larger than the caches.
 
 It does not batch: its time grows with the number of rows (200 rows: 10.6 ms vs 1.0 ms for bf16
@@ -13,13 +13,13 @@ with AMX). So each quantized linear keeps the float weight too and picks per cal
 ``max_rows`` rows (the drafter's one-token steps, a few sessions drafting together) take the int8
 kernel, more rows (prefills, syncs, wide batches) the float one. Memory: +50% over bf16 weights.
 
-Limits found: in bf16 the kernel needs ``in_features % 16 == 0`` (other widths crashed or returned
-NaN in torch 2.13); such layers keep the float path, and every quantized layer is checked against
+Limits: in bf16 the kernel needs ``in_features % 16 == 0`` (other widths crash or return NaN in
+torch 2.13); such layers keep the float path, and every quantized layer is checked against
 its dequantized weight on a random input before it is used.
 
 Float32 drafters (CPUs without native bf16): the kernel's fp32-activation path is slow on some CPUs
 (an AVX2-only AMD EPYC, a 4864x896 projection: 2.4 ms for 1 row, vs 0.52 ms for the fp32 layer on
-oneDNN-packed weights), while its bf16-activation path took 0.23 ms there. So an fp32 layer may run
+oneDNN-packed weights), while its bf16-activation path takes 0.23 ms there. So an fp32 layer may run
 the kernel on its input rounded to bf16 (``act_dtype``), converting the result back; which of the
 two activation types is used, and whether int8 is used at all under ``auto``, is measured on the
 model's largest layer at load (:func:`choose_fp32`). The drafts change a little, never the output.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 MODES = ("auto", "none", "int8")
-DEFAULT_MAX_ROWS = 4  # the int8 kernel's time grows with rows; measured break-even ~4-8 rows (bf16, AMX)
+DEFAULT_MAX_ROWS = 4  # the int8 kernel's time grows with rows; it breaks even at ~4-8 rows (bf16, AMX)
 
 
 def available() -> bool:
@@ -193,8 +193,8 @@ def choose_fp32(model: nn.Module, required: bool = False, margin: float = 0.9) -
     Timed on the first body layers in model order (~128 MB of fp32 weights) and the LM head, one
     call each per pass:
     timing one layer over and over reads it from the CPU's caches, which flatters the float path
-    (measured: a 17 MB layer alone said fp32-packed 0.64 ms vs int8 0.45, half the runs too close
-    to call)."""
+    (a 17 MB layer timed alone gives fp32-packed 0.64 ms vs int8 0.45, and half the runs are too
+    close to call)."""
     from crossdraft.models import cpulinear
 
     head = getattr(model, "lm_head", None)
