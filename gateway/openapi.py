@@ -103,13 +103,41 @@ def _completion_schema(chat: bool) -> dict:
     }}
 
 
-def openapi_document(max_new_tokens: int = 4096) -> dict:
-    """The document; ``max_new_tokens`` is the gateway's --max-new-tokens-limit."""
-    # one server-sent event: data is an OpenAI chunk object as JSON, or [DONE] at the end
-    sse = {"text/event-stream": {"schema": {
+def _sse() -> dict:
+    """One server-sent event: data is an OpenAI chunk object as JSON, or [DONE] at the end."""
+    return {"text/event-stream": {"schema": {
         "type": "object", "required": ["data"],
         "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
         "description": "with stream: true -- events whose data is an OpenAI chunk object, then [DONE]"}}}
+
+
+def _health() -> dict:
+    return {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+
+
+def openapi_document(max_new_tokens: int = 4096) -> dict:
+    """The document; ``max_new_tokens`` is the gateway's --max-new-tokens-limit."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "crossdraft gateway", "version": "1",
+                 "description": "Speculative decoding across vocabularies (UAG-TLI), served as an "
+                                "OpenAI-compatible REST API. With API keys configured, /v1/* and "
+                                "/tokenize, /detokenize need 'Authorization: Bearer <key>'."},
+        "paths": {**_generation_paths(), **_model_paths(), **_session_paths(max_new_tokens), **_tokenizer_paths(),
+                  **_service_paths()},
+        "components": {
+            "responses": {"Error": {
+                "description": "an error naming the bad field (param) where there is one",
+                "headers": {"Retry-After": {"description": "429 / 503: seconds to wait",
+                                            "schema": {"type": "string"}}},
+                "content": {"application/json": {"schema": _ref("Error")}}}},
+            "schemas": _schemas(max_new_tokens),
+        },
+    }
+
+
+def _generation_paths() -> dict:
+    """/v1/completions and /v1/chat/completions."""
 
     def generation(chat: bool) -> dict:
         name = "Chat" if chat else "Completion"
@@ -120,10 +148,43 @@ def openapi_document(max_new_tokens: int = 4096) -> dict:
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": _ref(f"{name}Request")}}},
             "responses": {"200": {"description": "the completion (JSON), or server-sent events with stream",
-                                  "content": {"application/json": {"schema": _ref(name)}, **sse}},
+                                  "content": {"application/json": {"schema": _ref(name)}, **_sse()}},
                           **_errors(400, 401, 404, 409, 413, 429, 503)},
         }}
 
+    return {"/v1/completions": generation(False), "/v1/chat/completions": generation(True)}
+
+
+def _model_paths() -> dict:
+    """/v1/models and /v1/vocab: what the gateway serves."""
+    return {
+        "/v1/models": {"get": {"summary": "The served model", "responses": {
+            "200": {"description": "one model", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["object", "data"], "properties": {
+                    "object": {"const": "list"},
+                    "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
+                                                       "properties": {"id": {"type": "string"},
+                                                                      "object": {"const": "model"},
+                                                                      "drafter": {"type": ["string", "null"]},
+                                                                      "revision": {
+                                                                          "type": "string",
+                                                                          "description": "Hub commit served "
+                                                                          "('' = catalog or local model)"},
+                                                                      "drafter_revision": {
+                                                                          "type": "string"}}}}}}}}},
+            **_errors(401, 503)}}},
+        "/v1/vocab": {"get": {"summary": "Vocabulary-intersection diagnostics", "responses": {
+            "200": {"description": "the mapping's statistics",
+                    "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_errors(401, 503)}}},
+    }
+
+
+def _session_paths(max_new_tokens: int) -> dict:
+    """/v1/sessions and /v1/sessions/{sid}."""
+    session_request = {"type": "object", "additionalProperties": False,
+                       "properties": dict(_generation_properties(max_new_tokens),
+                                          session_id={"type": "string", "pattern": SESSION_ID_RE.pattern})}
     session_path = {
         "parameters": [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}],
         "get": {"summary": "A session", "responses": {
@@ -135,129 +196,106 @@ def openapi_document(max_new_tokens: int = 4096) -> dict:
                 "properties": {"session_id": {"type": "string"}, "deleted": {"const": True}}}}}},
             **_errors(400, 401, 404, 503)}},
     }
-    session_request = {"type": "object", "additionalProperties": False,
-                       "properties": dict(_generation_properties(max_new_tokens),
-                                          session_id={"type": "string", "pattern": SESSION_ID_RE.pattern})}
-    health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     return {
-        "openapi": "3.1.0",
-        "info": {"title": "crossdraft gateway", "version": "1",
-                 "description": "Speculative decoding across vocabularies (UAG-TLI), served as an "
-                                "OpenAI-compatible REST API. With API keys configured, /v1/* and "
-                                "/tokenize, /detokenize need 'Authorization: Bearer <key>'."},
-        "paths": {
-            "/v1/completions": generation(False),
-            "/v1/chat/completions": generation(True),
-            "/v1/models": {"get": {"summary": "The served model", "responses": {
-                "200": {"description": "one model", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["object", "data"], "properties": {
-                        "object": {"const": "list"},
-                        "data": {"type": "array", "items": {"type": "object", "required": ["id", "object"],
-                                                           "properties": {"id": {"type": "string"},
-                                                                          "object": {"const": "model"},
-                                                                          "drafter": {"type": ["string", "null"]},
-                                                                          "revision": {
-                                                                              "type": "string",
-                                                                              "description": "Hub commit served "
-                                                                              "('' = catalog or local model)"},
-                                                                          "drafter_revision": {
-                                                                              "type": "string"}}}}}}}}},
-                **_errors(401, 503)}}},
-            "/v1/vocab": {"get": {"summary": "Vocabulary-intersection diagnostics", "responses": {
-                "200": {"description": "the mapping's statistics",
-                        "content": {"application/json": {"schema": {"type": "object"}}}},
-                **_errors(401, 503)}}},
-            "/v1/sessions": {"post": {
-                "summary": "Create a session (default options for its requests)",
-                "requestBody": {"required": False,
-                                "content": {"application/json": {"schema": session_request}}},
-                "responses": {"201": {"description": "created",
-                                      "content": {"application/json": {"schema": _ref("Session")}}},
-                              **_errors(400, 401, 409, 413, 503)}}},
-            "/v1/sessions/{sid}": session_path,
-            "/tokenize": {"post": {
-                "summary": "The target's token ids of a prompt (or of chat messages, with its template)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "additionalProperties": False, "properties": {
-                        "prompt": {"type": "string"}, "messages": {"type": "array", "items": _ref("ChatMessage")},
-                        "model": {"type": "string"}}}}}},
-                "responses": {"200": {"description": "token ids", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["tokens", "count"], "properties": {
-                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                        "count": {"type": "integer", "minimum": 0},
-                        "max_model_len": {"type": ["integer", "null"]}}}}}},
-                    **_errors(400, 401, 413, 503)}}},
-            "/detokenize": {"post": {
-                "summary": "The target tokenizer's text of token ids",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "additionalProperties": False, "required": ["tokens"], "properties": {
-                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                        "model": {"type": "string"}}}}}},
-                "responses": {"200": {"description": "text", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
-                    **_errors(400, 401, 413, 503)}}},
-            "/healthz": {"get": {"summary": "Liveness", "responses": {
-                "200": {"description": "alive", "content": {"application/json": {"schema": health}}}}}},
-            "/readyz": {"get": {"summary": "Readiness: Redis and every verifier SERVING", "responses": {
-                "200": {"description": "ready", "content": {"application/json": {"schema": health}}},
-                "503": {"description": "not ready (starting, draining, Redis or a verifier down)",
-                        "content": {"application/json": {"schema": health}}}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-                "200": {"description": "text exposition format", "content": {"text/plain": {
-                    "schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "This document", "responses": {
-                "200": {"description": "OpenAPI 3.1", "content": {"application/json": {
-                    "schema": {"type": "object"}}}}}}},
-        },
-        "components": {
-            "responses": {"Error": {
-                "description": "an error naming the bad field (param) where there is one",
-                "headers": {"Retry-After": {"description": "429 / 503: seconds to wait",
-                                            "schema": {"type": "string"}}},
-                "content": {"application/json": {"schema": _ref("Error")}}}},
-            "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-                    "type": "object", "required": ["message", "type", "code"], "properties": {
-                        "message": {"type": "string"}, "type": {"type": "string"},
-                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
-                "ChatMessage": {"type": "object", "additionalProperties": True, "required": ["role", "content"],
-                                "properties": {"role": {"enum": ["system", "user", "assistant"]},
-                                               "content": {"type": "string"}}},
-                "CompletionRequest": _request_schema(False, max_new_tokens),
-                "ChatRequest": _request_schema(True, max_new_tokens),
-                "Completion": _completion_schema(False),
-                "Chat": _completion_schema(True),
-                "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-                          "properties": {k: {"type": "integer", "minimum": 0}
-                                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}},
-                "SpeculativeStats": {"type": "object", "required": ["mode", "rounds", "drafted", "accepted"],
-                                     "properties": {"mode": {"enum": ["speculative", "target-only"]},
-                                                    "draft_mode": {"enum": ["tli", "text", ""]},
-                                                    "draws": {"enum": ["greedy", "coupled", "rejection"]},
-                                                    "rounds": {"type": "integer", "minimum": 0},
-                                                    "drafted": {"type": "integer", "minimum": 0},
-                                                    "accepted": {"type": "integer", "minimum": 0},
-                                                    "acceptance_rate": {"type": "number", "minimum": 0,
-                                                                        "maximum": 1}}},
-                "CompletionLogprobs": {"type": "object",
-                                       "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
-                                       "properties": {
-                                           "tokens": {"type": "array", "items": {"type": "string"}},
-                                           "token_logprobs": {"type": "array", "items": {"type": "number"}},
-                                           "top_logprobs": {"type": "array", "items": {
-                                               "type": "object", "additionalProperties": {"type": "number"}}},
-                                           "text_offset": {"type": "array", "items": {"type": "integer"}}}},
-                "ChatLogprobs": {"type": "object", "required": ["content"], "properties": {"content": {
-                    "type": "array", "items": {"type": "object", "required": ["token", "logprob", "bytes",
-                                                                             "top_logprobs"], "properties": {
-                        "token": {"type": "string"}, "logprob": {"type": "number"},
-                        "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
-                        "top_logprobs": {"type": "array"}}}}}},
-                "Session": {"type": "object", "required": ["session_id", "turns", "options"], "properties": {
-                    "session_id": {"type": "string"}, "turns": {"type": "integer", "minimum": 0},
-                    "target_tokens": {"type": "integer"}, "drafter_tokens": {"type": "integer"},
-                    "options": {"type": "object"}, "stats": {"type": "object"},
-                    "text": {"type": "string"}, "messages": {"type": "array"}}},
-            },
-        },
+        "/v1/sessions": {"post": {
+            "summary": "Create a session (default options for its requests)",
+            "requestBody": {"required": False,
+                            "content": {"application/json": {"schema": session_request}}},
+            "responses": {"201": {"description": "created",
+                                  "content": {"application/json": {"schema": _ref("Session")}}},
+                          **_errors(400, 401, 409, 413, 503)}}},
+        "/v1/sessions/{sid}": session_path,
+    }
+
+
+def _tokenizer_paths() -> dict:
+    """/tokenize and /detokenize: the target's tokenizer."""
+    return {
+        "/tokenize": {"post": {
+            "summary": "The target's token ids of a prompt (or of chat messages, with its template)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "prompt": {"type": "string"}, "messages": {"type": "array", "items": _ref("ChatMessage")},
+                    "model": {"type": "string"}}}}}},
+            "responses": {"200": {"description": "token ids", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokens", "count"], "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "count": {"type": "integer", "minimum": 0},
+                    "max_model_len": {"type": ["integer", "null"]}}}}}},
+                **_errors(400, 401, 413, 503)}}},
+        "/detokenize": {"post": {
+            "summary": "The target tokenizer's text of token ids",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "required": ["tokens"], "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "model": {"type": "string"}}}}}},
+            "responses": {"200": {"description": "text", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
+                **_errors(400, 401, 413, 503)}}},
+    }
+
+
+def _service_paths() -> dict:
+    """Probes, metrics and this document."""
+    return {
+        "/healthz": {"get": {"summary": "Liveness", "responses": {
+            "200": {"description": "alive", "content": {"application/json": {"schema": _health()}}}}}},
+        "/readyz": {"get": {"summary": "Readiness: Redis and every verifier SERVING", "responses": {
+            "200": {"description": "ready", "content": {"application/json": {"schema": _health()}}},
+            "503": {"description": "not ready (starting, draining, Redis or a verifier down)",
+                    "content": {"application/json": {"schema": _health()}}}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "text exposition format", "content": {"text/plain": {
+                "schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3.1", "content": {"application/json": {
+                "schema": {"type": "object"}}}}}}},
+    }
+
+
+def _schemas(max_new_tokens: int) -> dict:
+    """The components' schemas: errors, requests, responses, sessions."""
+    return {
+            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type", "code"], "properties": {
+                    "message": {"type": "string"}, "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
+            "ChatMessage": {"type": "object", "additionalProperties": True, "required": ["role", "content"],
+                            "properties": {"role": {"enum": ["system", "user", "assistant"]},
+                                           "content": {"type": "string"}}},
+            "CompletionRequest": _request_schema(False, max_new_tokens),
+            "ChatRequest": _request_schema(True, max_new_tokens),
+            "Completion": _completion_schema(False),
+            "Chat": _completion_schema(True),
+            "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+                      "properties": {k: {"type": "integer", "minimum": 0}
+                                     for k in ("prompt_tokens", "completion_tokens", "total_tokens")}},
+            "SpeculativeStats": {"type": "object", "required": ["mode", "rounds", "drafted", "accepted"],
+                                 "properties": {"mode": {"enum": ["speculative", "target-only"]},
+                                                "draft_mode": {"enum": ["tli", "text", ""]},
+                                                "draws": {"enum": ["greedy", "coupled", "rejection"]},
+                                                "rounds": {"type": "integer", "minimum": 0},
+                                                "drafted": {"type": "integer", "minimum": 0},
+                                                "accepted": {"type": "integer", "minimum": 0},
+                                                "acceptance_rate": {"type": "number", "minimum": 0,
+                                                                    "maximum": 1}}},
+            "CompletionLogprobs": {"type": "object",
+                                   "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                                   "properties": {
+                                       "tokens": {"type": "array", "items": {"type": "string"}},
+                                       "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                                       "top_logprobs": {"type": "array", "items": {
+                                           "type": "object", "additionalProperties": {"type": "number"}}},
+                                       "text_offset": {"type": "array", "items": {"type": "integer"}}}},
+            "ChatLogprobs": {"type": "object", "required": ["content"], "properties": {"content": {
+                "type": "array", "items": {"type": "object", "required": ["token", "logprob", "bytes",
+                                                                         "top_logprobs"], "properties": {
+                    "token": {"type": "string"}, "logprob": {"type": "number"},
+                    "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+                    "top_logprobs": {"type": "array"}}}}}},
+            "Session": {"type": "object", "required": ["session_id", "turns", "options"], "properties": {
+                "session_id": {"type": "string"}, "turns": {"type": "integer", "minimum": 0},
+                "target_tokens": {"type": "integer"}, "drafter_tokens": {"type": "integer"},
+                "options": {"type": "object"}, "stats": {"type": "object"},
+                "text": {"type": "string"}, "messages": {"type": "array"}}},
     }

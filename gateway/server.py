@@ -11,7 +11,7 @@ import time
 
 from crossdraft.argtypes import float_arg, int_arg, port_arg
 from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
-from crossdraft.errors import CrossdraftError, InvalidArgument
+from crossdraft.errors import CrossdraftError, InvalidArgument, Unavailable
 from crossdraft.serving.tls import TLSConfig
 
 from .config import GatewayConfig
@@ -25,7 +25,17 @@ def _env(name, default):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The gateway's flags; most default to a CROSSDRAFT_* environment variable."""
     p = argparse.ArgumentParser(prog="python -m gateway", description="crossdraft gateway: REST + gRPC front door")
+    _add_address_flags(p)
+    _add_request_flags(p)
+    _add_limit_flags(p)
+    _add_security_flags(p)
+    return p
+
+
+def _add_address_flags(p: argparse.ArgumentParser) -> None:
+    """Where the model servers and Redis are, and where the gateway listens."""
     p.add_argument("--verifier", default=_env("VERIFIER", None),
                    help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
     p.add_argument("--drafter", default=_env("DRAFTER", None),
@@ -44,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=str(_env("HTTP_PORT", 8000)))
     p.add_argument("--grpc-port", type=port_arg("--grpc-port", env="CROSSDRAFT_GRPC_PORT", zero="a free port"),
                    default=str(_env("GRPC_PORT", 50051)))
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    """Tokenizers, sessions and drafting: how the gateway runs a request."""
     p.add_argument("--target-tokenizer", default=_env("TARGET_TOKENIZER", None), help="default: the verifier's model")
     p.add_argument("--drafter-tokenizer", default=_env("DRAFTER_TOKENIZER", None), help="default: the drafter's model")
     p.add_argument("--session-ttl-s", type=float_arg("--session-ttl-s", 0, above=True, env="CROSSDRAFT_SESSION_TTL_S"),
@@ -66,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-s",
                    type=float_arg("--connect-timeout-s", 0, above=True, env="CROSSDRAFT_CONNECT_TIMEOUT_S"),
                    default=str(_env("CONNECT_TIMEOUT_S", 900)))
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Limits of a request and of the gateway: token budgets, admission, drain, stale pairing."""
     p.add_argument("--max-new-tokens-limit",
                    type=int_arg("--max-new-tokens-limit", 1, env="CROSSDRAFT_MAX_NEW_TOKENS_LIMIT"),
                    default=str(_env("MAX_NEW_TOKENS_LIMIT", 4096)))
@@ -100,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    type=float_arg("--queue-timeout-s", 0, env="CROSSDRAFT_QUEUE_TIMEOUT_S"),
                    default=str(_env("QUEUE_TIMEOUT_S", 30)),
                    help="a queued generation without a slot after this long gets 429 / RESOURCE_EXHAUSTED")
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """TLS on the public side and to the model servers, and Redis credentials."""
     p.add_argument("--tls-cert-file", default=_env("TLS_CERT_FILE", ""),
                    help="serve REST (HTTPS) and gRPC over TLS with this certificate (PEM; re-read when it "
                         "changes) (env CROSSDRAFT_TLS_CERT_FILE)")
@@ -121,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-tls-ca-file", default=_env("REDIS_TLS_CA_FILE", ""),
                    help="CA of the Redis server's certificate for rediss:// URLs (default: system roots) "
                         "(env CROSSDRAFT_REDIS_TLS_CA_FILE)")
-    return p
 
 
 def _redis_password(a) -> str:
@@ -315,7 +336,7 @@ def _remote_tokenizer(client):
         except OSError:
             # another gateway on this $CROSSDRAFT_HOME renamed the same files there first (a directory
             # gets there complete, by rename, and may be loading now): keep it, drop ours. Replacing
-            # it removed it under that gateway's load, which then failed to start.
+            # it would remove it under that gateway's load, which would then fail to start.
             shutil.rmtree(tmp, ignore_errors=True)
             if not (d / ".complete").exists():
                 raise
@@ -343,126 +364,167 @@ def main(argv=None) -> int:
     memtrace = memtrace_from_env()  # CROSSDRAFT_TRACEMALLOC=<file>: what grows (gateway/memtrace.py)
     if memtrace is not None:
         memtrace.install_signal()
-    import uvicorn
-
-    from crossdraft.serving import rpc, telemetry
-    from crossdraft.v1 import gateway_pb2_grpc
-
-    from .rest import build_app
-    from .service import GatewayServicer
+    from crossdraft.serving import telemetry
 
     provider = telemetry.setup_tracing("crossdraft-gateway")
     tracer = telemetry.get_tracer(provider, "crossdraft.gateway")
-    holder: dict = {"gw": None}
-    servicer_box: dict = {}
-
-    class LazyServicer(gateway_pb2_grpc.GatewayServiceServicer):
-        """Answers UNAVAILABLE until the gateway is built (methods are looked up per call)."""
-
-    def _late(name):
-        def call(request, context):
-            svc = servicer_box.get("svc")
-            if svc is None:
-                from crossdraft.errors import Unavailable
-
-                raise Unavailable("the gateway is starting")
-            return getattr(svc, name)(request, context)
-
-        return call
-
-    lazy = LazyServicer()
-    for _name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
-        setattr(lazy, _name, _late(_name))
-
-    # a Generate stream holds a handler thread for its whole run, and a queued one while it waits for
-    # admission: threads for every generation the admission lets run or wait, plus a few for the short
-    # calls (sessions, tokenizer), so that the admission limits -- not the pool -- decide who waits
-    workers = cfg.max_concurrent_requests + cfg.max_queued_requests + 8
-    server, gport, health = rpc.build_server(
-        [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(lazy, s)], [SERVICE_NAME],
-        cfg.host, cfg.grpc_port, max_workers=workers, tracer=tracer, tls=cfg.tls)
-    server.start()
-    app = build_app(lambda: holder["gw"], tracer)
-    tls_kw = dict(ssl_certfile=cfg.tls.cert_file, ssl_keyfile=cfg.tls.key_file) if cfg.tls.cert_file else {}
-    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off", **tls_kw)
-    tls_stop = threading.Event()
-    if cfg.tls.cert_file:
-        from crossdraft.serving.tls import watch_ssl_context
-
-        ucfg.load()  # builds the SSLContext now, so that a rotated certificate can be loaded into it
-        watch_ssl_context(ucfg.ssl, cfg.tls, tls_stop)
-    status = {"rc": 0}
-
-    class DrainingServer(uvicorn.Server):
-        """SIGTERM/SIGINT drain first: not ready and no new generations at once (503 / UNAVAILABLE,
-        gRPC health NOT_SERVING), in-flight requests get --drain-timeout-s to finish, then the
-        servers stop. A second signal stops at once."""
-
-        draining = False
-
-        def handle_exit(self, sig, frame):
-            gw = holder["gw"]
-            if self.draining or gw is None:
-                return super().handle_exit(sig, frame)
-            self.draining = True
-            gw.draining = True
-            rpc.set_serving(health, ["", SERVICE_NAME], False)
-            print(f"crossdraft gateway: draining ({gw.admission.active} requests in flight, up to "
-                  f"{cfg.drain_timeout_s:g} s)", flush=True)
-
-            def drain():
-                idle = gw.admission.wait_idle(cfg.drain_timeout_s)
-                print(f"crossdraft gateway: {'drained' if idle else 'drain timeout'}; stopping", flush=True)
-                # not handle_exit(): uvicorn would re-raise the signal after shutdown (exit by signal,
-                # not 0); a drained gateway exits normally
-                self.should_exit = True
-
-            threading.Thread(target=drain, name="crossdraft-drain", daemon=True).start()
-
-    userver = DrainingServer(ucfg)
-
-    def init():
-        try:
-            gw = build_gateway(cfg, tracer)
-            holder["gw"] = gw
-            servicer_box["svc"] = GatewayServicer(gw)
-            rpc.set_serving(health, ["", SERVICE_NAME], True)
-
-            def follow_readiness():  # the gateway's own gRPC health says what /readyz says
-                last = True
-                while not userver.should_exit and not gw.draining:
-                    ok, _ = gw.readiness()
-                    if ok != last:
-                        rpc.set_serving(health, ["", SERVICE_NAME], ok)
-                        last = ok
-                    time.sleep(1.0)
-
-            threading.Thread(target=follow_readiness, name="crossdraft-readiness", daemon=True).start()
-            if memtrace is not None:
-                memtrace.start()
-            print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
-                  f"{gw.drafter_model or 'none'}); REST {scheme}://{cfg.host}:{cfg.http_port}/v1, "
-                  f"gRPC {cfg.host}:{gport}", flush=True)
-        except Exception as e:
-            log.error("gateway failed to start: %s: %s", type(e).__name__, e)
-            status["rc"] = 1
-            userver.should_exit = True
-
-    scheme = "https" if cfg.tls.cert_file else "http"
-    print(f"crossdraft gateway: gRPC{' (TLS)' if cfg.tls.cert_file else ''} on {cfg.host}:{gport}, REST "
-          f"{scheme}://{cfg.host}:{cfg.http_port} (connecting...)", flush=True)
-    threading.Thread(target=init, daemon=True).start()
-    userver.run()
-    tls_stop.set()
-    rpc.set_serving(health, ["", SERVICE_NAME], False)
-    server.stop(5).wait()
-    if memtrace is not None and memtrace.started:
-        memtrace.stop()
+    rc = _GatewayProcess(cfg, tracer, memtrace).run()
     try:
         provider.shutdown()
     except Exception:
         pass
-    return status["rc"]
+    return rc
+
+
+def _lazy_servicer(process: _GatewayProcess):
+    """A GatewayService servicer that answers UNAVAILABLE until the gateway is built, then hands
+    each call to the real servicer (its methods are looked up per call)."""
+    from crossdraft.v1 import gateway_pb2_grpc
+
+    class LazyServicer(gateway_pb2_grpc.GatewayServiceServicer):
+        pass
+
+    def late(name):
+        def call(request, context):
+            if process.servicer is None:
+                raise Unavailable("the gateway is starting")
+            return getattr(process.servicer, name)(request, context)
+
+        return call
+
+    lazy = LazyServicer()
+    for name in ("Generate", "CreateSession", "GetSession", "DeleteSession"):
+        setattr(lazy, name, late(name))
+    return lazy
+
+
+class _GatewayProcess:
+    """One gateway process: the gRPC and REST servers open at once and answer UNAVAILABLE / 503
+    while the gateway is built in the background (model servers, tokenizers, mapping); then they
+    serve until a signal drains them (:meth:`drain`) or the build fails (exit status 1)."""
+
+    def __init__(self, cfg: GatewayConfig, tracer, memtrace=None):
+        self.cfg, self.tracer, self.memtrace = cfg, tracer, memtrace
+        self.gw = None  # the Gateway, once built
+        self.servicer = None  # its GatewayServicer, once built
+        self.rc = 0
+        self.tls_stop = threading.Event()
+
+    def run(self) -> int:
+        from crossdraft.serving import rpc
+        from crossdraft.v1 import gateway_pb2_grpc
+
+        cfg = self.cfg
+        lazy = _lazy_servicer(self)
+        # a Generate stream holds a handler thread for its whole run, and a queued one while it waits for
+        # admission: threads for every generation the admission lets run or wait, plus a few for the short
+        # calls (sessions, tokenizer), so that the admission limits -- not the pool -- decide who waits
+        workers = cfg.max_concurrent_requests + cfg.max_queued_requests + 8
+        server, self.grpc_port, self.health = rpc.build_server(
+            [lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(lazy, s)], [SERVICE_NAME],
+            cfg.host, cfg.grpc_port, max_workers=workers, tracer=self.tracer, tls=cfg.tls)
+        server.start()
+        self.http = self._http_server()
+        print(f"crossdraft gateway: gRPC{' (TLS)' if cfg.tls.cert_file else ''} on {cfg.host}:{self.grpc_port}, "
+              f"REST {self.scheme}://{cfg.host}:{cfg.http_port} (connecting...)", flush=True)
+        threading.Thread(target=self._build, daemon=True).start()
+        self.http.run()
+        self.tls_stop.set()
+        rpc.set_serving(self.health, ["", SERVICE_NAME], False)
+        server.stop(5).wait()
+        if self.memtrace is not None and self.memtrace.started:
+            self.memtrace.stop()
+        return self.rc
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.cfg.tls.cert_file else "http"
+
+    def _http_server(self):
+        """uvicorn serving the REST app (with TLS, an SSLContext that follows certificate rotation);
+        SIGTERM/SIGINT drain first (:meth:`drain`), a second signal, or one before the gateway is
+        built, stops it at once."""
+        import uvicorn
+
+        from .rest import build_app
+
+        cfg, process = self.cfg, self
+        app = build_app(lambda: self.gw, self.tracer)
+        tls_kw = dict(ssl_certfile=cfg.tls.cert_file, ssl_keyfile=cfg.tls.key_file) if cfg.tls.cert_file else {}
+        ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off", **tls_kw)
+        if cfg.tls.cert_file:
+            from crossdraft.serving.tls import watch_ssl_context
+
+            ucfg.load()  # builds the SSLContext now, so that a rotated certificate can be loaded into it
+            watch_ssl_context(ucfg.ssl, cfg.tls, self.tls_stop)
+
+        class DrainingServer(uvicorn.Server):
+            draining = False
+
+            def handle_exit(self, sig, frame):
+                gw = process.gw
+                if self.draining or gw is None:
+                    return super().handle_exit(sig, frame)
+                self.draining = True
+                process.drain(gw)
+
+        return DrainingServer(ucfg)
+
+    def _build(self) -> None:
+        """Build the gateway (in a thread: the servers answer meanwhile); on failure, stop with status 1."""
+        from crossdraft.serving import rpc
+
+        from .service import GatewayServicer
+
+        cfg = self.cfg
+        try:
+            gw = build_gateway(cfg, self.tracer)
+            self.gw = gw
+            self.servicer = GatewayServicer(gw)
+            rpc.set_serving(self.health, ["", SERVICE_NAME], True)
+            threading.Thread(target=self._follow_readiness, args=(gw,), name="crossdraft-readiness",
+                             daemon=True).start()
+            if self.memtrace is not None:
+                self.memtrace.start()
+            print(f"crossdraft gateway: ready (target {gw.model_name}, drafter "
+                  f"{gw.drafter_model or 'none'}); REST {self.scheme}://{cfg.host}:{cfg.http_port}/v1, "
+                  f"gRPC {cfg.host}:{self.grpc_port}", flush=True)
+        except Exception as e:
+            log.error("gateway failed to start: %s: %s", type(e).__name__, e)
+            self.rc = 1
+            self.http.should_exit = True
+
+    def _follow_readiness(self, gw) -> None:
+        """The gateway's own gRPC health says what /readyz says."""
+        from crossdraft.serving import rpc
+
+        last = True
+        while not self.http.should_exit and not gw.draining:
+            ok, _ = gw.readiness()
+            if ok != last:
+                rpc.set_serving(self.health, ["", SERVICE_NAME], ok)
+                last = ok
+            time.sleep(1.0)
+
+    def drain(self, gw) -> None:
+        """Not ready and no new generations at once (503 / UNAVAILABLE, gRPC health NOT_SERVING);
+        the servers stop once in-flight requests end, or after --drain-timeout-s."""
+        from crossdraft.serving import rpc
+
+        cfg = self.cfg
+        gw.draining = True
+        rpc.set_serving(self.health, ["", SERVICE_NAME], False)
+        print(f"crossdraft gateway: draining ({gw.admission.active} requests in flight, up to "
+              f"{cfg.drain_timeout_s:g} s)", flush=True)
+
+        def wait_idle():
+            idle = gw.admission.wait_idle(cfg.drain_timeout_s)
+            print(f"crossdraft gateway: {'drained' if idle else 'drain timeout'}; stopping", flush=True)
+            # not handle_exit(): uvicorn would re-raise the signal after shutdown (exit by signal,
+            # not 0); a drained gateway exits normally
+            self.http.should_exit = True
+
+        threading.Thread(target=wait_idle, name="crossdraft-drain", daemon=True).start()
 
 
 __all__ = ["build_gateway", "main"]

@@ -241,8 +241,6 @@ def main(kind: str, default_port: int, service_name: str, servicer, add_servicer
 
 def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_name: str, servicer) -> int:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
-    from crossdraft.models.loading import fast_dtype, load_model, parse_device
-    from crossdraft.runtime import costs, memory
     from crossdraft.serving import rpc, telemetry
 
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
@@ -267,43 +265,10 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
 
     def load():
         try:
-            # fault injection for tests: a slow model load (the port is open, health NOT_SERVING)
-            delay = float(os.environ.get("CROSSDRAFT_FAULT_LOAD_DELAY_S", "0") or 0)
-            if delay > 0:
-                time.sleep(delay)
-            device = parse_device(cfg.device)
-            dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
-            # servers sharing this machine's CPUs load and time one at a time (crossdraft.runtime.costs)
-            with costs.cpu_startup_lock(device):
-                loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
-                                    trust_remote_code=cfg.trust_remote_code, quantize=quantize_for(kind, cfg),
-                                    cpu_linear=cfg.cpu_linear, model_file=cfg.model_file)
-                worker = make_worker(loaded)
-                ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
-            if hasattr(worker, "token_bytes"):
-                worker.token_bytes()  # a drafter's token-healing table (0.2 s for 262k ids): not on a request's path
-            if ms:
-                print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms",
-                      flush=True)
-            info = worker.batch_info()
-            if info:
-                print(f"crossdraft {kind}: KV pool of {info['kv_blocks_total'] * info['kv_block_size']} tokens "
-                      f"({worker.kv_pool_bytes / 2**20:.0f} MiB), batches of up to {worker.batch.max_rows} sessions",
-                      flush=True)
-            export_batch_metrics(kind, worker)
-            freed = memory.trim()  # the load's freed buffers back to the system (crossdraft.runtime.memory)
-            res = memory.resident()
-            if res:
-                print(f"crossdraft {kind}: resident {res['rss'] / 2**20:.0f} MiB (anonymous "
-                      f"{res.get('anon', 0) / 2**20:.0f} MiB, files {res.get('file', 0) / 2**20:.0f} MiB)"
-                      + (f"; {freed / 2**20:.0f} MiB of freed heap returned" if freed else ""), flush=True)
+            loaded, worker, dtype = load_worker(kind, cfg, make_worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)
-            at = f"@{loaded.revision}" if loaded.revision else ""
-            qd = ", int8 weights for one-token steps" if loaded.quantize == "int8" else ""
-            qd += f" ({loaded.quantize_act} activations)" if getattr(loaded, "quantize_act", "") else ""
-            qd += ", oneDNN-packed linear layers" if loaded.cpu_linear == "packed" else ""
-            print(f"crossdraft {kind}: serving {loaded.name}{at} ({dtype}{qd}) on {cfg.host}:{port}", flush=True)
+            print(f"crossdraft {kind}: serving {_describe(loaded, dtype)} on {cfg.host}:{port}", flush=True)
         except Exception as e:  # keep answering health (NOT_SERVING) so the failure is visible
             servicer.state.error = f"model failed to load: {type(e).__name__}: {e}"
             log.error(servicer.state.error)
@@ -320,6 +285,55 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     except Exception:
         pass
     return 1 if servicer.state.error else 0
+
+
+def load_worker(kind: str, cfg: ModelServerConfig, make_worker):
+    """Load the model and build its worker, ready for a request's first call: forward costs timed,
+    the token-healing table built, batch metrics exported, the load's freed memory returned to the
+    system. Returns (the loaded model, the worker, its dtype)."""
+    from crossdraft.models.loading import fast_dtype, load_model, parse_device
+    from crossdraft.runtime import costs, memory
+
+    # fault injection for tests: a slow model load (the port is open, health NOT_SERVING)
+    delay = float(os.environ.get("CROSSDRAFT_FAULT_LOAD_DELAY_S", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    device = parse_device(cfg.device)
+    dtype = fast_dtype(device) if cfg.dtype in (None, "", "auto") else cfg.dtype
+    # servers sharing this machine's CPUs load and time one at a time (crossdraft.runtime.costs)
+    with costs.cpu_startup_lock(device):
+        loaded = load_model(cfg.model, device=device, dtype=dtype, progress=False, revision=cfg.revision,
+                            trust_remote_code=cfg.trust_remote_code, quantize=quantize_for(kind, cfg),
+                            cpu_linear=cfg.cpu_linear, model_file=cfg.model_file)
+        worker = make_worker(loaded)
+        ms = worker.timings()  # timed once here (or read from the cost cache), not on a request's path
+    if hasattr(worker, "token_bytes"):
+        worker.token_bytes()  # a drafter's token-healing table (0.2 s for 262k ids): not on a request's path
+    if ms:
+        print(f"crossdraft {kind}: forward of 1 token {ms[0]:.1f} ms, of {len(ms)} tokens {ms[-1]:.1f} ms",
+              flush=True)
+    info = worker.batch_info()
+    if info:
+        print(f"crossdraft {kind}: KV pool of {info['kv_blocks_total'] * info['kv_block_size']} tokens "
+              f"({worker.kv_pool_bytes / 2**20:.0f} MiB), batches of up to {worker.batch.max_rows} sessions",
+              flush=True)
+    export_batch_metrics(kind, worker)
+    freed = memory.trim()  # the load's freed buffers back to the system (crossdraft.runtime.memory)
+    res = memory.resident()
+    if res:
+        print(f"crossdraft {kind}: resident {res['rss'] / 2**20:.0f} MiB (anonymous "
+              f"{res.get('anon', 0) / 2**20:.0f} MiB, files {res.get('file', 0) / 2**20:.0f} MiB)"
+              + (f"; {freed / 2**20:.0f} MiB of freed heap returned" if freed else ""), flush=True)
+    return loaded, worker, dtype
+
+
+def _describe(loaded, dtype) -> str:
+    """The served model as the startup line names it: name@revision (dtype, quantisation, packing)."""
+    at = f"@{loaded.revision}" if loaded.revision else ""
+    qd = ", int8 weights for one-token steps" if loaded.quantize == "int8" else ""
+    qd += f" ({loaded.quantize_act} activations)" if getattr(loaded, "quantize_act", "") else ""
+    qd += ", oneDNN-packed linear layers" if loaded.cpu_linear == "packed" else ""
+    return f"{loaded.name}{at} ({dtype}{qd})"
 
 
 def export_batch_metrics(kind: str, worker) -> None:

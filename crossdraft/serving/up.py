@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from crossdraft.argtypes import int_arg
+from crossdraft.serving.children import GrpcHealthProbe, HttpProbe, log_tail, port_in_use, signal_group
 from crossdraft.serving.redis_server import RedisServer, free_port
 
 __all__ = [
@@ -241,86 +240,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     )
 
 
-# -- health probes ------------------------------------------------------------------------------
-
-
-class _GrpcHealthProbe:
-    """Standard gRPC health ``Check(service="")``; ready when SERVING."""
-
-    def __init__(self, target: str):
-        import grpc  # lazy: the crossdraft core imports no gRPC at module import time
-
-        self._channel = grpc.insecure_channel(target)
-        self.target = target
-
-    def __call__(self) -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-class _HttpProbe:
-    """``GET url``; ready on 200."""
-
-    def __init__(self, url: str):
-        self.target = url
-
-    def __call__(self) -> bool:
-        import requests
-
-        try:
-            return requests.get(self.target, timeout=1.0).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def close(self) -> None:
-        pass
-
-
 # -- the stack ----------------------------------------------------------------------------------
-
-
-def _tail(path: Path | None, max_lines: int = 40) -> str:
-    if path is None:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-max_lines:])
-
-
-def _check_port_free(host: str, port: int, what: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise StackError(f"{what} port {host}:{port} is already in use (pass 0 to pick a free port)") from None
-            raise
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to the child's process group (it leads its own session), or to it alone."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
 
 
 class Stack:
@@ -390,7 +310,8 @@ class Stack:
         if cfg.drafter is not None:
             checks.append(("drafter", cfg.drafter_port))
         for what, port in checks:
-            _check_port_free(cfg.host, port, what)
+            if port_in_use(cfg.host, port):
+                raise StackError(f"{what} port {cfg.host}:{port} is already in use (pass 0 to pick a free port)")
 
         if cfg.redis_url is None:
             self.redis = RedisServer(host="127.0.0.1", data_dir=self.log_dir / "redis")
@@ -423,11 +344,11 @@ class Stack:
         probes: dict[str, Callable[[], bool]] = {}
         for name in self.children:
             if name == "gateway":
-                probes[name] = _HttpProbe(f"http://{cfg.host}:{cfg.http_port}/readyz")
+                probes[name] = HttpProbe(f"http://{cfg.host}:{cfg.http_port}/readyz")
             elif name == "drafter":
-                probes[name] = _GrpcHealthProbe(f"{cfg.host}:{cfg.drafter_port}")
+                probes[name] = GrpcHealthProbe(f"{cfg.host}:{cfg.drafter_port}")
             elif name == "verifier":
-                probes[name] = _GrpcHealthProbe(f"{cfg.host}:{cfg.verifier_port}")
+                probes[name] = GrpcHealthProbe(f"{cfg.host}:{cfg.verifier_port}")
         return probes
 
     def poll(self) -> tuple[str, int] | None:
@@ -443,7 +364,7 @@ class Stack:
     def exited_error(self, name: str, rc: int, when: str = "") -> ChildExited:
         """A ``ChildExited`` for ``name`` with the tail of its log."""
         log = self.log_paths.get(name) or (self.redis.log_path if name == "redis" and self.redis else None)
-        return ChildExited(name, rc, log, _tail(log), when)
+        return ChildExited(name, rc, log, log_tail(log), when)
 
     def wait_ready(self, timeout_s: float | None = None, poll_interval_s: float = 0.2) -> None:
         """Block until every child is healthy; raise ``StackError`` (after stopping) if one exits
@@ -470,7 +391,7 @@ class Stack:
                     parts = [f"not ready after {timeout_s:g}s: {', '.join(waiting)}"]
                     for name in waiting:
                         parts.append(f"--- {name} ({probes[name].target}), log {self.log_paths[name]}:\n"
-                                     f"{_tail(self.log_paths[name], 20)}")  # fmt: skip
+                                     f"{log_tail(self.log_paths[name], 20)}")  # fmt: skip
                     raise StackError("\n".join(parts))
                 time.sleep(poll_interval_s)
         except BaseException:
@@ -488,14 +409,14 @@ class Stack:
         procs = list(self.children.items())[::-1]  # gateway first, so it stops taking requests
         for _, proc in procs:
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for name, proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._print(f"{name} did not stop within {timeout_s:g}s: SIGKILL")
-                _signal_group(proc, signal.SIGKILL)
+                signal_group(proc, signal.SIGKILL)
                 proc.wait()
         for fh in self._log_files:
             fh.close()
