@@ -64,7 +64,7 @@ def replay(trace: dict, cfg: DraftConfig, drafter_ms: list[float], target_ms: li
         n = 0
         while n < kd and match[i + n]:
             n += 1
-        cost += kd * c * pol.dcost(1) + v[min(kd + 1, len(v)) - 1]
+        cost += kd * c * pol.costs.dcost(1) + v[min(kd + 1, len(v)) - 1]
         drafted, accepted, rounds = drafted + kd, accepted + n, rounds + 1
         pol.observe(kd, n)
         i += n + 1

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from crossdraft.decoding.costmodel import cost_ratio
 from crossdraft.decoding.messages import Expect
-from crossdraft.decoding.policy import DraftConfig, DraftPolicy, cost_ratio
+from crossdraft.decoding.policy import DraftConfig, DraftPolicy
 from crossdraft.decoding.ports import DrafterPort, VerifierPort
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
@@ -295,12 +296,13 @@ class Decoder:
                 inputs = (dt[0] * frac / vt[0], list(vt), vt[0] / 1000.0, list(dt))
             self._ratio[key] = inputs
         c, vt, step_s, dt = self._ratio[key]
-        pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt)
-        if pol.measured and mode in self._scales:
-            pol.scale_d, pol.scale_v = self._scales[mode]
-        if pol.measured and mode in self._probes:
-            pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n = self._probes[mode]
-            pol.relax_record()
+        # confident blocks: the drafter's doubt ends each block (greedy by default: replayed traces of
+        # sampling were not measured)
+        sc = draft.stop_cumulative
+        confident = draft.adaptive and (sc > 0 if sc is not None else params.greedy)
+        pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt, confident=confident)
+        if pol.costs.measured:
+            pol.resume(self._scales.get(mode), self._probes.get(mode))
         return pol, step_s
 
     def _verify(self, sid, t_ids, drafts, q_rows, round_index, params, seed, top_logprobs=-1):
@@ -387,7 +389,7 @@ class Decoder:
             try:
                 self._send_mask(req.mode)
                 req.policy, req.step_s = self._policy(req.mode, req.draft, req.params)
-                stats.cost_model = "measured" if req.policy.measured else "static"
+                stats.cost_model = "measured" if req.policy.costs.measured else "static"
             except (Unavailable, ResourceExhausted, InvalidArgument) as e:
                 # the drafter is optional: whatever it cannot do, the target does alone (the request
                 # itself was checked against the target, which is what decides the output)
@@ -395,56 +397,32 @@ class Decoder:
         if not req.spec:
             req.policy, req.step_s = DraftPolicy(req.draft, 1.0), 0.0
         req.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        req.k = req.draft.num_draft_tokens
-        if req.spec:
-            sc = req.draft.stop_cumulative
-            # confident blocks: the drafter's doubt ends each block (greedy by default: replayed
-            # traces of sampling were not measured)
-            req.policy.confident = req.draft.adaptive and (sc > 0 if sc is not None else req.params.greedy)
-            if req.policy.confident:
-                req.k = req.policy.hi
+        req.k = req.policy.hi if req.spec and req.policy.confident else req.draft.num_draft_tokens
         pol = req.policy
         # what a first block's drafter forward feeds: the prompt (a session's later request finds
         # most of its history cached on the drafter)
         feed = len(req.d.ids) if req.spec and round_index == 0 else 1
-        if req.spec and pol.measured and req.draft.adaptive and req.draft.allow_skip:
+        if req.spec and pol.costs.measured and req.draft.adaptive and req.draft.allow_skip:
             # the load: what the latest rounds saw, at least the requests in this loop now
-            pol.batch = max(self._load, float(self._running))
+            pol.expect_load(max(self._load, float(self._running)))
             self._peers(req)
-            if not pol.could_pay():
-                # not even a 90% acceptance would pay (at this load, or a drafter nearly as costly as
-                # its target): start target-only; alone, probe at the slowest pace (the costs may be
-                # wrong, a probe corrects them), under load not at all until the load falls
-                req.k = 0
-                pol.interval = pol.wait = pol.max_probe_every
-            elif pol.batch > 1.5 and not pol.pays():
-                # drafting does not pay at this load: start target-only (the policy probes later).
-                # Alone, the first block still drafts: it measures this text's acceptance.
-                req.k = 0
-            elif not pol.worth_probing(req.max_new_tokens, feed):
-                # a pair near its break-even, or a short completion: even text the drafter gets right
-                # would not win back the first block's cost, the drafter's prefill of the prompt
-                # included (a session's later requests find most of it cached); the policy probes
-                # later if the request is long enough
-                req.k = 0
-                pol.interval = pol.wait = pol.probe_pace()
-            elif self._unsettled(req):
-                # a burst: other requests entered the loop moments ago and have not had a round yet, so
-                # the load this one would price is still climbing (seen: 16 requests entered within
-                # 40-90 ms and decided at loads of 2-13; 9-12 drafted first blocks whose drafter
-                # prefills ran on the cores verifying the burst's prompts). Start target-only: the
-                # first round's end prices drafting at the load the burst settles at.
+            # a burst (other requests entered the loop moments ago and have not had a round yet): the
+            # load this one would price is still climbing, and first blocks decided now would run their
+            # drafter prefills on the cores verifying the burst's prompts. Start target-only: the first
+            # round's end prices drafting at the load the burst settles at.
+            if not pol.first_block_pays(req.max_new_tokens, feed) or self._unsettled(req):
                 req.k = 0
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
-            pol.unfed = feed  # (and a probe's cost counts that feed)
+            pol.drafter_missed(feed)  # (and a probe's cost counts that feed)
         elif req.spec:
             self._sync_drafter(req)
         if self._round_log and req.spec:
+            view = pol.log_fields()
             self._write_log({"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k,
                              "feed": feed, "sync_s": round(time.perf_counter() - t0, 4),
-                             "running_before_sync": running0, "running": self._running, "load": round(pol.batch, 2),
-                             "others_drafting": pol.others, "alpha": round(pol.alpha(), 3)})
+                             "running_before_sync": running0, "running": self._running,
+                             **{x: view[x] for x in ("load", "others_drafting", "alpha")}})
 
     def _sync_drafter(self, req: _Request) -> None:
         """Give the drafter the session (its prompt, or the prompt and what was generated since)."""
@@ -482,13 +460,12 @@ class Decoder:
         whether the drafter shares the verifier's hardware. Sessions of other gateways count as
         not drafting (the verifier's load includes them; their drafting is not known here)."""
         pol = req.policy
-        if pol is None or not pol.measured:
+        if pol is None or not pol.costs.measured:
             return
         with self._lock:
             others = [r for r in self._reqs.values() if r is not req and r.spec and r.policy is not None]
-        pol.others = float(sum(1 for r in others if r.k > 0))
-        pol.peer_alpha = sum(r.policy.alpha() for r in others) / len(others) if others else None
-        pol.colocated = self.colocated
+        peer_alpha = sum(r.policy.acceptance.alpha() for r in others) / len(others) if others else None
+        pol.see_peers(float(sum(1 for r in others if r.k > 0)), peer_alpha, self.colocated)
 
     def _loop(self, run: Run, req: _Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
@@ -541,16 +518,16 @@ class Decoder:
             if req.spec:
                 # how many sessions share the verifier's forwards (its recent senders; else this batch's
                 # rows), and at least the requests in this loop now: each sends the verifier rows
-                # whenever it is not waiting on the drafter. (A session that waits long on a busy
-                # drafter drops out of the verifier's count of recent senders, and pricing with the
-                # smaller count had more sessions draft -- seen: 16 clients at 0.53x of target-only.)
+                # whenever it is not waiting on the drafter, but a session that waits long on a busy
+                # drafter drops out of the verifier's count of recent senders, and pricing with that
+                # smaller count would have more sessions draft than pays
                 load = max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running)
                 req.policy.observe_batch(load)
-                # (the average follows the reports; the requests in the loop now are a floor it must not
-                # lag below: a burst's first requests started at a small load and, averaged up 30% a
-                # round, priced their first 4-5 rounds among 16 requests at a load of 3-9 -- seen)
-                req.policy.batch = max(req.policy.batch, float(self._running))
-                self._load = req.policy.batch
+                # the average follows the reports; the requests in the loop now are a floor it must not
+                # lag below (a burst's first requests start at a small load, and an average climbing 30%
+                # a round would price their first rounds far below the load they share)
+                req.policy.load_at_least(self._running)
+                self._load = req.policy.costs.batch
                 # wall-clock corrections (measured costs only). A block after skipped rounds first
                 # feeds the drafter what it missed, all in its first step's forward: its other
                 # steps still time the drafter (so a probe corrects a wrong cost table too)
@@ -563,8 +540,8 @@ class Decoder:
                 # look slow and drafting cheap under load
                 vsec = max(1e-6, verify_wall - getattr(res, "queue_wait_s", 0.0))
                 req.policy.observe_time(steps, dsec, kd + 1, vsec, req.step_s)
-                if req.policy.measured:
-                    self._scales[req.mode] = (req.policy.scale_d, req.policy.scale_v)
+                if req.policy.costs.measured:
+                    self._scales[req.mode] = req.policy.scales()
         req.prev_drafted = len(drafted.tokens) > 0
         req.first = False
         stats.record_round(kd, n)
@@ -585,9 +562,8 @@ class Decoder:
             feed = len(d.ids) if not d.synced else len(d.ids) - d.sent
             self._peers(req)
             req.k = req.policy.next_k(req.max_new_tokens - len(req.gen), feed)
-            pol = req.policy
-            if pol.measured and kd > 0:
-                self._probes[req.mode] = (pol.hit_s, pol.hit_n, pol.probe_sum, pol.probe_n)
+            if req.policy.costs.measured and kd > 0:
+                self._probes[req.mode] = req.policy.probe_record()
         overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
         stats.overhead_s += overhead
         if self._round_log:
@@ -606,11 +582,7 @@ class Decoder:
                "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
                "running": self._running}
         if req.spec:
-            rec.update(load=round(pol.batch, 2), others_drafting=pol.others,
-                       peer_alpha=None if pol.peer_alpha is None else round(pol.peer_alpha, 3),
-                       alpha=round(pol.alpha(), 3), scale_d=round(pol.scale_d, 3),
-                       scale_v=round(pol.scale_v, 3), steps_per_token=round(pol.steps_per_token(), 3),
-                       probing=pol.probing, interval=pol.interval)
+            rec.update(pol.log_fields())
         self._write_log(rec)
 
     def _write_log(self, rec: dict) -> None:

@@ -1,8 +1,10 @@
 """The draft-length policy: how many tokens the drafter proposes in the next round.
 
-:class:`DraftConfig` holds a request's settings; :class:`DraftPolicy` picks the block size k of
-each round from the acceptance it measures and the costs of the two models' forwards
-(:func:`cost_ratio` turns the model servers' weight bytes into a drafter-step cost).
+:class:`DraftConfig` holds a request's settings; :class:`DraftPolicy` is the one chooser of the
+block size k of each round, from its two models: the acceptance it measures
+(:mod:`crossdraft.decoding.acceptance`) and the costs of the two models' forwards
+(:mod:`crossdraft.decoding.costmodel`); it also decides when a probe re-measures a drafter that
+does not pay.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from crossdraft.decoding.acceptance import AcceptanceModel, clamp_alpha
+from crossdraft.decoding.costmodel import CostModel
 from crossdraft.errors import InvalidArgument, check_int
 
 # The drafter's draft vocabulary by default (vocab.TokenPair's draft_vocab, the gateway's --draft-vocab):
@@ -61,50 +65,33 @@ class DraftConfig:
 
 
 class DraftPolicy:
-    """Chooses the block size k of the next round (adaptive draft length).
+    """Chooses the block size k of the next round (adaptive draft length) for one request.
 
-    Model: drafts are accepted independently with probability alpha, so a block of k yields
-    E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs k drafter steps plus one target
-    forward over k + 1 tokens: cost(k) = k * c + v(k + 1), in units of one target decoding step
-    (v(1) = 1). alpha is estimated online (exponential forgetting) from acceptance counts; k
-    maximises E(k) / cost(k) within [min, max]. If even the best k yields less than one token per
-    target step (plus a margin when costs are measured), the round drafts nothing, and a short
-    probe block re-measures alpha now and then -- every `probe_every` rounds, doubling after each
-    probe that does not pay (up to `max_probe_every`) -- so a drafter that cannot help costs only
-    its rare probes.
-
-    Many sessions at once (measured costs only): the model servers batch the rounds of concurrent
-    sessions into one forward, so a session's share of the verification is v(B * m) / B and of a
-    drafter step d(B) / B, where B is the number of sessions the verifier reports as sending it
-    blocks lately (an exponential average; not the rows of the last batch: while sessions draft,
-    fewer of them are verifying at any moment, and pricing with that smaller number would keep
-    everyone drafting where everyone skipping is faster). Where forwards cost in proportion to their tokens (a CPU in
-    fp32) drafting stops paying as B grows -- the verifier would rather score B sessions' single
-    tokens than B blocks of which a third is rejected -- while on a GPU, flat in m up to hundreds
-    of tokens, it keeps paying. rate(k) then compares E(k) tokens per v(B(k+1)) + k c d(B) with
-    one token per v(B); at B = 1 this is the single-session rule. The drafter's table
-    (``drafter_costs``, d(n) for n = 1..M) gives d(B); without it d(B) = B.
+    Model: drafts are accepted independently with probability alpha (:class:`AcceptanceModel`,
+    estimated online), so a block of k yields E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens; the
+    :class:`CostModel` prices the block in target decoding steps, and k maximises the rate E(k) /
+    cost(k) within [min, max] (:meth:`_best`, the one search over block sizes). If even the best k
+    yields less than one token per target step (plus a margin when costs are measured), the round
+    drafts nothing, and a short probe block re-measures alpha now and then -- every `probe_every`
+    rounds, doubling after each probe that does not pay (up to `max_probe_every`) -- so a drafter
+    that cannot help costs only its rare probes. With measured costs a probe (and a request's first
+    block) is sent only where what it could win, weighed by how often recent probes found text that
+    pays (the probes' record, which the round loop carries from one request to the next), beats what
+    it costs when it fails (:meth:`worth_probing`, :meth:`probe_pace`).
 
     Confident mode (``confident``, greedy by default): the drafter ends each block itself once the
     product of its proposals' probabilities falls below :meth:`cumulative_stop`, a threshold that
     grows with the drafter's cost (a costly drafter must be surer to be worth another step). Blocks
     then run up to the upper bound and are as long as the drafter is sure, which follows easy and
     hard stretches of the text within a round instead of over rounds; the acceptance model only
-    decides whether to draft at all. (Replayed on recorded acceptance traces of a 0.5B drafter for
-    a 1.5B target -- drafter step 0.45 of a target step, 16 code/prose/SQL/Chinese prompts -- this
-    gave 1.53x target-only against 1.39x for the per-round k of the acceptance model.)
+    decides whether to draft at all. On recorded acceptance traces (tests/data/traces,
+    benchmarks/policy_replay.py) this beats the per-round k of the acceptance model.
 
-    Costs: ``c`` and ``verify_costs`` (v(m) for m = 1..M, relative to v(1)) come either from the
-    model servers' measured forward times (``measured=True``: on CPUs the verification forward
-    of a block can cost 2-3x a decoding step, which a weight-bytes estimate cannot see), or from
-    weight bytes with a small per-token slope. With measured costs the policy also corrects them
-    online from the rounds' wall-clock times (:meth:`observe_time`: load, RPC overheads).
-    With static costs every input is a function of the generated tokens only, so a seeded
-    sampling run picks the same k sequence, hence the same random draws and the same text, every
-    time (and after a failover); that is why sampling uses static costs by default.
+    The round loop tells the policy what each round showed (:meth:`observe`, :meth:`observe_steps`,
+    :meth:`observe_batch`, :meth:`observe_time`, :meth:`see_peers`) and asks :meth:`next_k`; the
+    policy's parts (``acceptance``, ``costs``) change only through these calls.
     """
 
-    decay = 0.85
     probe_every = 6
     max_probe_every = 48
     # measured costs: a probe (and a request's first block) is sent only where what it could win,
@@ -112,50 +99,24 @@ class DraftPolicy:
     # (see probe_odds and worth_probing). hit_prior: (hits, probes) before any probe is seen
     hit_prior = (1.0, 3.0)  # 1 in 3
     hit_decay = 0.8
-    margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
-    time_decay = 0.8
     probe_decay = 0.6
-    batch_decay = 0.7
-    # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
-    # while another process computed on the same cores (seen: a drafter step timed 22x too slow)
-    max_scale = 50.0
 
     def __init__(self, cfg: DraftConfig, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,
-                 drafter_costs: list[float] | None = None):
+                 drafter_costs: list[float] | None = None, confident: bool = False):
         self.cfg = cfg
-        self.c = max(1e-3, float(cost_ratio))
-        self.slope = max(0.0, float(verify_slope))
-        self.v = [max(1e-6, float(x)) for x in verify_costs] if verify_costs else None
-        if self.v:
-            self.v = [x / self.v[0] for x in self.v]
-        self.d = [max(1e-6, float(x)) for x in drafter_costs] if drafter_costs else None
-        if self.d:
-            self.d = [x / self.d[0] for x in self.d]
-        self.measured = measured
-        self.batch = 1.0  # rows of the verifier's batches this session's rounds ran in (measured mode)
-        # many sessions (measured mode; the Decoder sets these each round): how many of the OTHER
-        # sessions sharing the forwards draft now (None: unknown -- price as if all drafted alike), their
-        # mean acceptance estimate (None: as this session's), and whether the drafter computes on the
-        # verifier's hardware (its steps then stall every session's forwards, not only this one's round)
-        self.others: float | None = None
-        self.peer_alpha: float | None = None
-        self.colocated = True
+        self.acceptance = AcceptanceModel()
+        self.costs = CostModel(cost_ratio, verify_slope, verify_costs=verify_costs, measured=measured,
+                               drafter_costs=drafter_costs)
         self.hi = max(cfg.max_draft_tokens, cfg.num_draft_tokens)
-        self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
+        self.confident = confident  # blocks end on the drafter's doubt (cumulative_stop); k is the upper bound
         self.skipped = 0
         self.unfed = 0  # rounds since the drafter was last fed (a probe's first forward catches them up)
         self.interval = self.wait = self.probe_every
         self.probing = False
-        self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
-        self.scale_v = 1.0  # measured/predicted verification time
-        self.confident = False  # blocks end on the drafter's doubt (cumulative_stop); k is the upper bound
-        # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
-        # Chinese character the Qwen target has as one token in 2-3 byte tokens); 1 in TLI mode
-        self.step_sum, self.tok_sum = 1.0, 1.0
         # tokens a probe block drafts where it fails (exponentially weighted over the probes and first
         # blocks not accepted in full): a confident block runs until the drafter doubts, so what a
-        # failed probe costs depends on how sure the drafter is of text it gets wrong -- seen 1-4
+        # failed probe costs depends on how sure the drafter is of text it gets wrong -- typically 1-4
         # tokens. Prior: 3 tokens
         self.probe_sum, self.probe_n = 3.0, 1.0
         self.first = True  # the next observed block is the request's first (a probe of the text too)
@@ -166,14 +127,13 @@ class DraftPolicy:
         self.judge = False  # the block just observed was a probe: next_k scores its outcome
         self.whole = False  # (and it was accepted in full)
 
-    def alpha(self) -> float:
-        return min(0.98, max(0.02, self.succ / self.trials))
-
+    # ---- what the round loop tells the policy ------------------------------------------------------
     def observe(self, k: int, n: int) -> None:
+        """A block of k drafts was verified and n of them were accepted."""
         # a block accepted in full says the text is draftable -- unless it was one token the drafter
         # already doubted (a confident block that ended after its first proposal): on text the drafter
-        # cannot follow such lone guesses come true now and then (SmolLM2 on Chinese: 3 of 11), and
-        # taking each for a hit kept the probes at their fastest pace there (0.87x of target-only)
+        # cannot follow such lone guesses come true now and then, and taking each for a hit would keep
+        # the probes at their fastest pace there, slower than target-only
         whole = n == k and k >= min(2, self.hi)
         if k > 0 and (self.probing or self.first):
             self.judge, self.whole = True, whole
@@ -183,9 +143,7 @@ class DraftPolicy:
                 self.probe_n = d * self.probe_n + 1
         self.first = False
         if k > 0:
-            d = self.decay
-            self.succ = d * self.succ + n
-            self.trials = d * self.trials + n + (1 if n < k else 0)
+            self.acceptance.observe(k, n)
             if whole and self.could_pay():  # a whole block accepted: the text may be draftable again,
                 # so the probes keep their pace (next_k doubles it after a probe that does not pay; this
                 # cancels that) -- unless no acceptance could pay. Drafting that pays resets it (next_k).
@@ -193,163 +151,108 @@ class DraftPolicy:
 
     def observe_steps(self, steps: int, tokens: int) -> None:
         """Text drafting: a block took `steps` drafter forwards and gave `tokens` target-token drafts."""
-        if steps > 0:
-            d = self.decay
-            self.step_sum = d * self.step_sum + steps
-            self.tok_sum = d * self.tok_sum + tokens
-
-    def steps_per_token(self) -> float:
-        """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""
-        return min(8.0, max(0.25, self.step_sum / max(1e-6, self.tok_sum)))
-
-    def vcost(self, m: float) -> float:
-        """Cost of a target forward over m tokens, in target decoding steps."""
-        if not self.v:
-            return 1.0 + self.slope * (m - 1)
-        return interpolate_cost(self.v, m, self.slope)
-
-    def dcost(self, n: float) -> float:
-        """Cost of a drafter forward over n rows of one token, in drafter steps."""
-        return interpolate_cost(self.d, n, 1.0) if self.d else max(1.0, n)
+        self.costs.observe_steps(steps, tokens)
 
     def observe_batch(self, rows: int) -> None:
         """Measured mode: ``rows`` sessions share the verifier's forwards now."""
-        if self.measured and rows >= 1:
-            d = self.batch_decay
-            self.batch = d * self.batch + (1 - d) * float(rows)
+        self.costs.observe_batch(rows)
 
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
-        """Measured mode: a round's wall-clock times (drafter steps, the verification of m tokens),
-        against the predicted ones (target_step_s = the measured time of one target decoding step)."""
-        if not self.measured or target_step_s <= 0:
-            return
-        d = self.time_decay
-        b = self.batch
-        if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
-            ratio = verify_s / (self.vcost(b * m) * target_step_s)
-            self.scale_v = d * self.scale_v + (1 - d) * min(self.max_scale, max(1 / self.max_scale, ratio))
-        if steps > 0 and draft_s > 0:
-            # a ratio of times: averaged in log space, each drafter step one observation (a probe's
-            # block of 6 steps says more than one step does)
-            ratio = draft_s / (steps * self.c * self.dcost(b) * target_step_s)
-            w = d ** min(steps, 5)  # (at most as much as 5 steps: one slow moment must not decide alone)
-            ratio = min(self.max_scale, max(1 / self.max_scale, ratio))
-            self.scale_d = math.exp(w * math.log(self.scale_d) + (1 - w) * math.log(ratio))
+        """Measured mode: a round's wall-clock times against the predicted ones (CostModel.observe_time)."""
+        self.costs.observe_time(steps, draft_s, m, verify_s, target_step_s)
 
-    @staticmethod
-    def _tokens(a: float, k: int) -> float:
-        """E(k): tokens a block of k yields at acceptance a (the accepted drafts and the target's own)."""
-        return (1 - a ** (k + 1)) / (1 - a)
+    def load_at_least(self, sessions: float) -> None:
+        """At least ``sessions`` share the forwards now (the requests in the round loop): the load's
+        average follows the verifier's reports but never lags below them."""
+        self.costs.batch = max(self.costs.batch, float(sessions))
 
-    def _load(self) -> tuple[float, float]:
-        """(b, n): the sessions sharing the forwards and how many would draft with this one (itself
-        included): all b where the others' drafting is unknown (the rule before it was measured)."""
-        b = self.batch if self.measured else 1.0
-        if self.others is None or b <= 1.0:
-            return b, b
-        return b, min(b, 1.0 + max(0.0, self.others))
+    def see_peers(self, others: float | None, peer_alpha: float | None, colocated: bool) -> None:
+        """Measured costs: how many of the other sessions draft now (None: unknown), their mean
+        acceptance estimate (None: no others or unknown) and whether the drafter computes on the verifier's hardware."""
+        c = self.costs
+        c.others, c.peer_alpha, c.colocated = others, peer_alpha, colocated
 
-    def _vround(self, b: float, n: float, m: float) -> float:
-        """The verification of a round in which n of b sessions send blocks of m tokens (the others
-        one token), in target steps: padded to one forward of b x m, or the blocks in a forward of their
-        own beside the others' -- whichever is cheaper (what the scheduler's split chooses)."""
-        if n <= 0:
-            return self.vcost(b)
-        pad = self.vcost(b * m)
-        if n >= b - 1e-9:
-            return pad
-        return min(pad, self.vcost(n * m) + self.vcost(b - n))
+    def drafter_missed(self, tokens: int) -> None:
+        """The request starts without the drafter: its first forward will feed these ``tokens``."""
+        self.unfed = tokens
 
-    def _agg(self, k: int, e: float, n: float, b: float, c: float) -> float:
-        """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (each
-        yielding e tokens) and the rest do not, relative to all b target-only. Non-drafters' rounds
-        wait for the drafters' steps only where the drafter shares the verifier's hardware."""
-        if n <= 0:
-            return 1.0
-        sv = self.scale_v
-        v = sv * self._vround(b, n, k + 1)
-        dr = k * c * self.dcost(n)
-        tn = v + (dr if self.colocated else 0.0)
-        return ((b - n) / tn + n * e / (v + dr)) * sv * self.vcost(b) / b
+    # ---- what one request carries from the earlier ones of its decoder -----------------------------
+    def scales(self) -> tuple[float, float]:
+        """The online corrections of the cost tables: (drafter, verifier) measured/predicted times."""
+        return self.costs.scale_d, self.costs.scale_v
 
+    def probe_record(self) -> tuple[float, float, float, float]:
+        """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted."""
+        return self.hit_s, self.hit_n, self.probe_sum, self.probe_n
+
+    def resume(self, scales: tuple[float, float] | None = None,
+               record: tuple[float, float, float, float] | None = None) -> None:
+        """Start from what the latest requests of the same pair learnt: the cost corrections, and the
+        probes' record (relaxed toward the prior, :meth:`relax_record`)."""
+        if scales is not None:
+            self.costs.scale_d, self.costs.scale_v = scales
+        if record is not None:
+            self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record
+            self.relax_record()
+
+    def log_fields(self) -> dict:
+        """The policy's view for a round log line (rounded)."""
+        c = self.costs
+        return dict(load=round(c.batch, 2), others_drafting=c.others,
+                    peer_alpha=None if c.peer_alpha is None else round(c.peer_alpha, 3),
+                    alpha=round(self.acceptance.alpha(), 3), scale_d=round(c.scale_d, 3),
+                    scale_v=round(c.scale_v, 3), steps_per_token=round(c.steps_per_token(), 3),
+                    probing=self.probing, interval=self.interval)
+
+    # ---- the rate and the one search over block sizes ----------------------------------------------
     def rate(self, k: int) -> float:
-        """Expected tokens per target decoding step with a block of k (k = 0: target-only = 1).
+        """Expected tokens per target decoding step with a block of k at the current acceptance."""
+        return self.costs.rate(k, self.acceptance.alpha())
 
-        One session alone: E(k) tokens for v(k + 1) + k drafter steps, against one token for v(1).
-        Many (b sessions share the forwards, measured costs): the better of two views. (a) This
-        session's share of what the n sessions drafting now (it included) add to the machine's
-        output: 1 + b x (the aggregate with them drafting - all target-only) / n, the aggregate from
-        :meth:`_agg` -- a lone drafter among 15 sessions that do not costs a forward of its own (or
-        pads everyone) and, on shared hardware, drafter steps that stall them all, which a 1/b share
-        of a batch-wide cost hid. (An average, not the margin of one more drafter: once a few
-        sessions pay for a forward of their own, one more adds little to it, and a group that loses
-        as a whole kept itself drafting -- seen, 4 of 16 on this CPU.)
-        (b) Everyone drafting alike, each at its own acceptance estimate (``peer_alpha``): b x E
-        tokens for v(b(k + 1)) + k drafter steps of b rows -- where that pays (flat GPU tables) the
-        sessions move there together even from a state where none drafts (there a lone drafter,
-        pricing (a) alone, would never start). Without the others' counts only (b) is priced, with
-        this session's estimate for all (the rule before they were measured)."""
-        if k == 0:
-            return 1.0
-        a = self.alpha()
-        e = self._tokens(a, k)
-        sv = self.scale_v
-        b, n = self._load()
-        c = self.c * self.scale_d * self.steps_per_token()
-        # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
-        # against b tokens for v(b) (target-only); b = 1 is one session alone
-        per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
-        if n >= b:
-            return e * per
-        alone = 1.0 + b * (self._agg(k, e, n, b, c) - 1.0) / n
-        # everyone drafting counts only where the others would join: drafting together must pay at
-        # their acceptance too (else they stay out and this session would draft alone after all)
-        pa = self.alpha() if self.peer_alpha is None else min(0.98, max(0.02, self.peer_alpha))
-        ep = self._tokens(pa, k)
-        if ep * per < (self.margin if self.measured else 1.0):
-            return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
-        return max(alone, (e + (b - 1.0) * ep) / b * per)
+    def _best(self, alpha: float) -> tuple[int, float]:
+        """The block size within [min, hi] of the highest rate at acceptance ``alpha`` (the smallest
+        of equals), and that rate."""
+        best_k, best_r = 0, -math.inf
+        for k in range(self.cfg.min_draft_tokens, self.hi + 1):
+            r = self.costs.rate(k, alpha)
+            if r > best_r:
+                best_k, best_r = k, r
+        return best_k, best_r
 
-    def cumulative_stop(self) -> float:
-        """The threshold of the block's cumulative drafter probability below which the drafter stops.
-
-        Another proposal gains about (that product) x (the acceptance of one more token) tokens
-        and costs one drafter step, c_eff target steps; it is worth it while that gain beats what
-        the step would give elsewhere (~1.4 c_eff, tuned on recorded traces; capped at 0.9)."""
-        if self.cfg.stop_cumulative is not None:
-            return self.cfg.stop_cumulative
-        b, n = self._load()
-        # this session's share of the round's costs where n of b sessions draft: the verification's
-        # extra and (on shared hardware) the drafter's steps are the drafters', b/n each in units of a
-        # session's target step (b = n: everyone alike)
-        share = b / n
-        # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
-        c_eff = (self.c * self.scale_d * self.dcost(n) * self.steps_per_token() * (share if self.colocated else 1.0)
-                 / (self.scale_v * self.vcost(b)))
-        # and a longer block costs a longer verification: the mean extra cost of one more token over
-        # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
-        dv = share * max(0.0, self._vround(b, n, self.hi + 1) - self.vcost(b)) / (self.hi * self.vcost(b))
-        return min(0.9, 1.4 * (c_eff + dv))
-
-    def pays(self) -> bool:
-        """Whether some block size is expected to beat target-only now (no state changes)."""
+    def _pays_at(self, alpha: float) -> bool:
         cfg = self.cfg
         if not cfg.adaptive or not cfg.allow_skip:
             return True
-        best = max(self.rate(k) for k in range(cfg.min_draft_tokens, self.hi + 1))
-        return best >= (self.margin if self.measured else 1.0)
+        return self._best(alpha)[1] >= self.costs.need()
+
+    def pays(self) -> bool:
+        """Whether some block size is expected to beat target-only now (no state changes)."""
+        return self._pays_at(self.acceptance.alpha())
 
     def could_pay(self, alpha: float = 0.9) -> bool:
         """Whether drafting would pay at a high acceptance (90%; no state changes). A drafter nearly
         as costly as its target cannot: its probes then stay at their slowest pace even when a
         whole probe block is accepted."""
-        saved = self.succ, self.trials
-        self.succ, self.trials = alpha, 1.0
-        try:
-            return self.pays()
-        finally:
-            self.succ, self.trials = saved
+        return self._pays_at(clamp_alpha(alpha))
 
+    def saving(self, alpha: float = 0.9) -> float:
+        """The share of a target step per generated token that drafting would save at a high
+        acceptance (0 where it would not pay): the most a probe that finds such text can win."""
+        best = self._best(clamp_alpha(alpha))[1]
+        return max(0.0, 1.0 - 1.0 / best)
+
+    def cumulative_stop(self) -> float:
+        """The threshold of the block's cumulative drafter probability below which the drafter stops
+        (the request's ``stop_cumulative``, else priced by CostModel.stop_threshold)."""
+        if self.cfg.stop_cumulative is not None:
+            return self.cfg.stop_cumulative
+        return self.costs.stop_threshold(self.hi)
+
+    def loaded_out(self) -> bool:
+        """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
+        return self.costs.measured and self.costs.batch > 1.5 and not self.could_pay()
+
+    # ---- probes -------------------------------------------------------------------------------------
     def probe_len(self) -> float:
         """Tokens a failed probe block is expected to have drafted: in confident mode the mean over
         the recent probes (and first blocks) not accepted in full, within [1, hi]; otherwise the
@@ -363,26 +266,9 @@ class DraftPolicy:
         forward that feeds the `feed` tokens it has not seen (a request's prompt for its first block,
         the skipped rounds' tokens for a probe) and proposes the first token, the steps for the rest
         of the block (:meth:`probe_len` tokens; more steps per token in text mode), and the
-        verification that much longer. (Pricing one drafted token underpriced probes ~3x on a CPU
-        in fp32, where verifying 3-5 tokens costs 2-3 decoding steps.)"""
-        b, nd = self._load()
-        share = b / nd  # (as in cumulative_stop)
-        sv, vb = self.scale_v, self.vcost(b)
-        n = self.probe_len()
-        steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
-        drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
-        return (drafter + sv * share * max(0.0, self._vround(b, nd, n + 1) - vb)) / (sv * vb)
-
-    def saving(self, alpha: float = 0.9) -> float:
-        """The share of a target step per generated token that drafting would save at a high
-        acceptance (0 where it would not pay): the most a probe that finds such text can win."""
-        saved = self.succ, self.trials
-        self.succ, self.trials = alpha, 1.0
-        try:
-            best = max(self.rate(k) for k in range(self.cfg.min_draft_tokens, self.hi + 1))
-        finally:
-            self.succ, self.trials = saved
-        return max(0.0, 1.0 - 1.0 / best)
+        verification that much longer. (On a CPU in fp32, where verifying 3-5 tokens costs 2-3
+        decoding steps, a probe priced as one drafted token would be about 3x too cheap.)"""
+        return self.costs.probe_cost(self.probe_len(), feed)
 
     def relax_record(self, r: float = 0.9) -> None:
         """A new request: the probes' record carried from earlier requests moves 10% back toward the
@@ -409,7 +295,7 @@ class DraftPolicy:
         static costs: always; and a drafter that could not pay even at 90% acceptance keeps its rare
         probes (every ``max_probe_every`` rounds): they are what corrects a cost table measured
         wrong (one timed on a busy machine)."""
-        if remaining is None or not self.measured or not self.could_pay():
+        if remaining is None or not self.costs.measured or not self.could_pay():
             return True
         return remaining * self.saving() >= self.probe_odds() * self.probe_cost(feed)
 
@@ -417,7 +303,7 @@ class DraftPolicy:
         """The probes' shortest interval in rounds (measured costs): long enough that the rounds
         between two probes could save a failed probe's cost times the odds against a hit
         (``probe_every`` for a pair that pays well, up to ``max_probe_every`` near the break-even)."""
-        if not self.measured:
+        if not self.costs.measured:
             return self.probe_every
         s = self.saving()
         if s <= 0:
@@ -425,14 +311,37 @@ class DraftPolicy:
         need = math.ceil(self.probe_odds() * self.probe_cost() / s)
         return min(self.max_probe_every, max(self.probe_every, need))
 
-    def loaded_out(self) -> bool:
-        """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
-        return self.measured and self.batch > 1.5 and not self.could_pay()
-
     def _feed(self, feed: int | None) -> int:
         """What a probe's first forward feeds the drafter: the decoder's exact count, else the
         rounds (target tokens) it missed."""
         return self.unfed if feed is None else max(1, int(feed))
+
+    # ---- the choices --------------------------------------------------------------------------------
+    def first_block_pays(self, remaining: int, feed: int) -> bool:
+        """Measured costs, adaptive blocks that may skip: whether a new request drafts its first block
+        (which also measures this text's acceptance), priced at the load the round loop expects
+        (:meth:`expect_load`). Where it does not, the probes' pace starts where the reason says."""
+        if not self.could_pay():
+            # not even a 90% acceptance would pay (at this load, or a drafter nearly as costly as its
+            # target): alone, probe at the slowest pace (the costs may be wrong, a probe corrects
+            # them), under load not at all until the load falls (next_k, loaded_out)
+            self.interval = self.wait = self.max_probe_every
+            return False
+        if self.costs.batch > 1.5 and not self.pays():
+            return False  # drafting does not pay at this load (the policy probes later)
+        if not self.worth_probing(remaining, feed):
+            # a pair near its break-even, or a short completion: even text the drafter gets right would
+            # not win back the first block's cost, the drafter's prefill of the prompt included (a
+            # session's later requests find most of it cached); the policy probes later if the request
+            # is long enough
+            self.interval = self.wait = self.probe_pace()
+            return False
+        return True
+
+    def expect_load(self, sessions: float) -> None:
+        """A new request prices its start at this load (what the latest rounds saw, at least the
+        requests in the round loop now) until its own rounds report one."""
+        self.costs.batch = sessions
 
     def next_k(self, remaining: int | None = None, feed: int | None = None) -> int:
         """The next round's block size; `remaining` = tokens the request may still generate (a
@@ -443,44 +352,15 @@ class DraftPolicy:
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.num_draft_tokens
-        best = max(range(cfg.min_draft_tokens, self.hi + 1), key=self.rate)
-        need = self.margin if self.measured else 1.0
+        best, best_rate = self._best(self.acceptance.alpha())
+        need = self.costs.need()
         if self.judge:  # the probe (or first block) just verified: did it find text the drafter gets
             self.judge = False  # right (accepted in full), or text where drafting pays?
             d = self.hit_decay
-            self.hit_s = d * self.hit_s + (1.0 if self.whole or self.rate(best) >= need else 0.0)
+            self.hit_s = d * self.hit_s + (1.0 if self.whole or best_rate >= need else 0.0)
             self.hit_n = d * self.hit_n + 1.0
-        if cfg.allow_skip and self.rate(best) < need:
-            if self.loaded_out():
-                # many sessions share the forwards and even 90% acceptance would not pay at this load:
-                # no probe (it would only measure what the load already rules out); the load is
-                # re-read every round, and once it falls the usual probe pace starts over
-                self.probing = False
-                self.skipped += 1
-                self.unfed += 1
-                self.interval = self.wait = self.probe_every
-                return 0
-            if self.probing:  # the probe just verified did not pay: wait longer before the next one
-                self.interval = max(self.probe_pace(), min(self.max_probe_every, self.interval * 2))
-                if not self.could_pay():  # not even at 90% acceptance: the slowest pace at once
-                    self.interval = self.max_probe_every
-                self.wait = self.interval
-            elif self.skipped == 0:  # drafting (or the first block) just stopped paying
-                self.interval = self.wait = max(self.interval, self.probe_pace())
-            self.probing = False
-            self.skipped += 1
-            self.unfed += 1
-            self.wait -= 1
-            if self.wait <= 0 and not self.worth_probing(remaining, self._feed(feed)):
-                self.wait = self.interval  # too few tokens left for a probe to pay back its cost
-            if self.wait <= 0:
-                # the text may have changed since alpha was last measured: let the probe's own
-                # outcome dominate (a light, pessimistic prior of weight 1) instead of nudging a stale estimate
-                self.probing = True
-                self.unfed = 0
-                self.succ, self.trials = 0.3, 1.0
-                return self.hi if self.confident else min(self.hi, max(cfg.min_draft_tokens, 2))
-            return 0
+        if cfg.allow_skip and best_rate < need:
+            return self._skip_or_probe(remaining, feed)
         if self.unfed > 1 and not self.worth_probing(remaining, self._feed(feed)):
             # drafting would pay, but the drafter has rounds (or, where the request started without
             # it, the prompt) to catch up on first, and too few tokens are left to win that back
@@ -492,26 +372,34 @@ class DraftPolicy:
         self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
         return self.hi if self.confident else best
 
-
-def interpolate_cost(t: list[float], x: float, slope: float) -> float:
-    """t[i] = cost of i + 1 units; linear in between, past the end the last step (or ``slope``) goes on."""
-    if x <= 1:
-        return t[0]
-    if x <= len(t):
-        i = int(x) - 1
-        frac = x - (i + 1)
-        return t[i] if frac == 0 else t[i] + (t[i + 1] - t[i]) * frac
-    last = t[-1]
-    step = max(0.0, last - t[-2]) if len(t) > 1 else slope
-    return last + step * (x - len(t))
-
-
-def cost_ratio(drafter: tuple[int, int, int], target: tuple[int, int, int]) -> float:
-    """Drafter cost per token relative to one target forward, from :func:`cost_numbers`.
-
-    Measured here: 0.5B/1.5B 0.36 (estimate 0.35), 135M/1.5B 0.17 (0.12). Deterministic on
-    purpose (see DraftPolicy).
-    """
-    db, drow, drows = drafter
-    tb, trow, trows = target
-    return (db + drow * drows) / max(1, tb + trow * trows)
+    def _skip_or_probe(self, remaining: int | None, feed: int | None) -> int:
+        """Drafting does not pay now: skip the round (0), or send a probe once the wait is over."""
+        cfg = self.cfg
+        if self.loaded_out():
+            # many sessions share the forwards and even 90% acceptance would not pay at this load:
+            # no probe (it would only measure what the load already rules out); the load is
+            # re-read every round, and once it falls the usual probe pace starts over
+            self.probing = False
+            self.skipped += 1
+            self.unfed += 1
+            self.interval = self.wait = self.probe_every
+            return 0
+        if self.probing:  # the probe just verified did not pay: wait longer before the next one
+            self.interval = max(self.probe_pace(), min(self.max_probe_every, self.interval * 2))
+            if not self.could_pay():  # not even at 90% acceptance: the slowest pace at once
+                self.interval = self.max_probe_every
+            self.wait = self.interval
+        elif self.skipped == 0:  # drafting (or the first block) just stopped paying
+            self.interval = self.wait = max(self.interval, self.probe_pace())
+        self.probing = False
+        self.skipped += 1
+        self.unfed += 1
+        self.wait -= 1
+        if self.wait <= 0 and not self.worth_probing(remaining, self._feed(feed)):
+            self.wait = self.interval  # too few tokens left for a probe to pay back its cost
+        if self.wait <= 0:
+            self.probing = True
+            self.unfed = 0
+            self.acceptance.restart()
+            return self.hi if self.confident else min(self.hi, max(cfg.min_draft_tokens, 2))
+        return 0

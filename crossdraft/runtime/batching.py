@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crossdraft.decoding.policy import interpolate_cost
+from crossdraft.decoding.costmodel import interpolate_cost
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
 

@@ -47,7 +47,7 @@ from crossdraft.models import attention
 SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16, 32, 64)
 VERIFIER_MAX = 64  # the table covers forwards of 1..VERIFIER_MAX tokens (beyond: the 32 -> 64 slope goes on)
 # the drafter's table too: a batched drafting step runs B sessions' single tokens in one forward,
-# and the policy prices it as a forward of B tokens (crossdraft.decoding.policy), a catch-up feed of n tokens
+# and the policy prices it as a forward of B tokens (crossdraft.decoding.costmodel), a catch-up feed of n tokens
 # as one of n
 DRAFTER_MAX = 64
 CONTEXT = 128  # tokens already cached when timing

@@ -30,7 +30,7 @@ from crossdraft.errors import FailedPrecondition, InvalidArgument
 
 def cost_numbers(model, head_rows: int | None = None) -> tuple[int, int, int]:
     """(body_bytes, head_row_bytes, head_rows) of one token's forward, for
-    :func:`crossdraft.decoding.policy.cost_ratio`.
+    :func:`crossdraft.decoding.costmodel.cost_ratio`.
 
     One-token decoding is memory-bound: its time follows the bytes of weights read. body_bytes
     counts every weight except the embedding table and the LM head, plus a fixed per-forward

@@ -117,7 +117,7 @@ def test_new_requests_count_the_requests_already_running_as_load(eng, monkeypatc
     orig = DraftPolicy.could_pay
 
     def spy(self, alpha=0.9):
-        seen.append(self.batch)
+        seen.append(self.costs.batch)
         return orig(self, alpha)
 
     monkeypatch.setattr(DraftPolicy, "could_pay", spy)
@@ -148,9 +148,9 @@ def test_sampling_without_a_callers_seed_prices_drafting_like_greedy(eng):
     assert draft_config({}, SamplingParams(), 4).cost_model == "auto"  # auto = measured for greedy
     auto = DraftConfig(cost_model="auto")
     eng.decoder._ratio.clear()
-    assert not eng.decoder._policy("tli", auto, hot)[0].measured
-    assert eng.decoder._policy("tli", auto, SamplingParams(temperature=0.7, coupled=True))[0].measured
-    assert eng.decoder._policy("tli", auto, SamplingParams())[0].measured
+    assert not eng.decoder._policy("tli", auto, hot)[0].costs.measured
+    assert eng.decoder._policy("tli", auto, SamplingParams(temperature=0.7, coupled=True))[0].costs.measured
+    assert eng.decoder._policy("tli", auto, SamplingParams())[0].costs.measured
     cfg = draft_config({"num_draft_tokens": 12, "adaptive_draft": False}, hot, 4)
     assert (cfg.num_draft_tokens, cfg.adaptive, cfg.max_draft_tokens) == (12, False, 12)
 
@@ -312,7 +312,7 @@ def test_the_requests_running_in_the_loop_are_the_least_load_a_round_prices(eng,
     assert rows and min(rows) >= 3, rows
     # and the policy's load itself (an average of the reports) does not lag below them
     pol = next(r.policy for r in eng.decoder._reqs.values() if r.sid == "load-0")
-    assert pol.batch >= 3.0
+    assert pol.costs.batch >= 3.0
     for r in runs:
         r.close()
 
@@ -334,7 +334,7 @@ def test_the_probes_record_carries_over_to_the_next_request_in_measured_mode_onl
     ps, pn = DraftPolicy.hit_prior
     assert (pol.hit_s, pol.hit_n) == pytest.approx((0.9 * rec[0] + 0.1 * ps, 0.9 * rec[1] + 0.1 * pn))
     sampled, _ = eng.decoder._policy(mode, DraftConfig(), SamplingParams(temperature=0.7))
-    assert not sampled.measured and (sampled.hit_s, sampled.hit_n) == DraftPolicy.hit_prior
+    assert not sampled.costs.measured and (sampled.hit_s, sampled.hit_n) == DraftPolicy.hit_prior
 
 
 def test_a_round_log_gets_one_line_per_round_with_the_policys_view(eng, tmp_path, monkeypatch):
@@ -381,7 +381,7 @@ def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch)
     others = []
     for i, (k, alpha, spec) in enumerate(((3, 0.9, True), (0, 0.5, True), (2, 0.1, False))):
         p, _ = dec._policy("text", DraftConfig(), SamplingParams())
-        p.succ, p.trials = alpha, 1.0
+        p.acceptance.succ, p.acceptance.trials = alpha, 1.0
         others.append(_Request(f"o{i}", [1], 8, SamplingParams(), 0, DraftConfig(), None, spec, policy=p, k=k))
     me = _Request("me", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=pol, k=4)
     dec._reqs = {id(r): r for r in [*others, me]}
@@ -389,10 +389,10 @@ def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch)
         dec._peers(me)
     finally:
         dec._reqs = {}
-    assert pol.others == 1.0 and pol.peer_alpha == pytest.approx(0.7) and pol.colocated
+    assert pol.costs.others == 1.0 and pol.costs.peer_alpha == pytest.approx(0.7) and pol.costs.colocated
     static, _ = dec._policy("text", DraftConfig(cost_model="static"), SamplingParams())
     dec._peers(_Request("s", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=static))
-    assert static.others is None  # static costs: the rule that depends on the generated tokens only
+    assert static.costs.others is None  # static costs: the rule that depends on the generated tokens only
 
 
 def test_the_gateway_tells_whether_a_drafter_shares_its_verifiers_hardware(monkeypatch):

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from crossdraft.decoding.acceptance import expected_tokens
 from crossdraft.decoding.policy import DraftConfig, DraftPolicy
 from crossdraft.errors import InvalidArgument
 
@@ -79,7 +80,7 @@ def test_online_correction_sees_a_slow_drafter():
         else:
             p.observe_time(0, 0.0, 1, CPU_TABLE[0] / 1000, step_s)
         k = p.next_k()
-    assert p.scale_d > 4
+    assert p.costs.scale_d > 4
     assert sum(1 for k in ks[10:] if k) <= 3
 
 
@@ -87,7 +88,7 @@ def test_static_costs_ignore_wall_clock():
     p = DraftPolicy(DraftConfig(), 0.2)
     before = p.rate(3)
     p.observe_time(3, 10.0, 4, 10.0, 0.1)
-    assert p.rate(3) == before and not p.measured
+    assert p.rate(3) == before and not p.costs.measured
 
 
 def test_bad_cost_model_is_refused():
@@ -124,7 +125,7 @@ def test_batched_sessions_on_a_cpu_stop_drafting_where_one_session_alone_drafts(
     ks_busy = _run_batched(busy, 40, 16)
     assert all(k > 0 for k in ks_alone[3:])
     assert sum(1 for k in ks_busy[5:] if k) <= 3  # rare probes only
-    assert busy.batch > 12 and alone.batch == 1.0
+    assert busy.costs.batch > 12 and alone.costs.batch == 1.0
     # load goes away: the batches shrink back to one row and drafting resumes
     ks_after = _run_batched(busy, 60, 1)
     assert all(k > 0 for k in ks_after[-10:])
@@ -142,7 +143,7 @@ def test_static_costs_ignore_the_batch():
     a = DraftPolicy(DraftConfig(), 0.3, verify_costs=None, measured=False)
     b = DraftPolicy(DraftConfig(), 0.3, verify_costs=None, measured=False)
     assert _run_batched(a, 30, 1) == _run_batched(b, 30, 32)
-    assert b.batch == 1.0
+    assert b.costs.batch == 1.0
 
 
 def test_pays_tells_whether_a_new_request_should_start_drafting():
@@ -150,12 +151,12 @@ def test_pays_tells_whether_a_new_request_should_start_drafting():
     target-only (k = 0) instead of drafting its first blocks for an idle server."""
     p = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
     assert p.pays()
-    p.batch = 16.0
+    p.expect_load(16.0)
     assert not p.pays()
     assert p.skipped == 0 and not p.probing  # no state changed
     fixed = DraftPolicy(DraftConfig(adaptive=False), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU,
                         measured=True)
-    fixed.batch = 16.0
+    fixed.expect_load(16.0)
     assert fixed.pays()  # a fixed block size is the caller's choice
 
 
@@ -206,8 +207,8 @@ def test_bad_cumulative_threshold_is_refused(bad):
 def test_could_pay_rules_out_a_drafter_as_costly_as_its_target():
     assert DraftPolicy(DraftConfig(), 0.45, verify_costs=FLAT_TABLE, measured=True).could_pay()
     pol = DraftPolicy(DraftConfig(), 1.0, verify_costs=FLAT_TABLE, measured=True)
-    before = pol.alpha()
-    assert not pol.could_pay() and pol.alpha() == before
+    before = pol.acceptance.alpha()
+    assert not pol.could_pay() and pol.acceptance.alpha() == before
     # its probes slow down to the slowest pace even when they are wholly accepted
     ks = _run(pol, 200, lambda k: k)
     probes = [i for i, k in enumerate(ks) if k > 0]
@@ -219,26 +220,26 @@ def test_text_drafting_prices_the_drafter_steps_each_target_token_costs():
     Chinese character in 2-3 byte tokens pays 2-3 steps per drafted target token. The policy learns
     that ratio and prices drafting (and the confidence a block needs) with it."""
     pol = DraftPolicy(DraftConfig(), 0.3, verify_costs=FLAT_TABLE, measured=True)
-    assert pol.steps_per_token() == 1.0
+    assert pol.costs.steps_per_token() == 1.0
     rate, tau = pol.rate(3), pol.cumulative_stop()
     for _ in range(6):
         pol.observe_steps(9, 3)  # 3 steps per target token
-    assert 2.5 < pol.steps_per_token() <= 3.0
+    assert 2.5 < pol.costs.steps_per_token() <= 3.0
     assert pol.rate(3) < rate and pol.cumulative_stop() > tau
     assert not pol.could_pay()  # 0.9 steps of the target per drafted token: nothing could pay
-    learnt = pol.steps_per_token()
+    learnt = pol.costs.steps_per_token()
     pol.observe_steps(0, 0)  # no block: nothing learnt
-    assert pol.steps_per_token() == learnt
+    assert pol.costs.steps_per_token() == learnt
     # bounded both ways: a drafter whose tokens are much longer than the target's is never priced as
     # (nearly) free, nor one whose tokens are much shorter as endless; each bound holds however long
     # the evidence goes on
     for steps, tokens in ((1, 100), (100, 1)):
         for _ in range(40):
             pol.observe_steps(steps, tokens)
-        bound = pol.steps_per_token()
+        bound = pol.costs.steps_per_token()
         for _ in range(40):
             pol.observe_steps(steps, tokens)
-        assert pol.steps_per_token() == bound
+        assert pol.costs.steps_per_token() == bound
         assert (bound > 10 * steps / tokens) if steps < tokens else (bound < steps / tokens / 10)
         assert pol.rate(3) > 0 and 0 < pol.cumulative_stop() < 1
 
@@ -271,7 +272,7 @@ def test_a_wholly_accepted_probe_that_still_does_not_pay_keeps_the_pace():
     assert pol.could_pay()
     pol.interval = pol.wait = 32  # (above this pair's shortest pace, 27 rounds)
     pol.probing = True
-    pol.succ, pol.trials = 0.3, 1.0  # as a probe starts
+    pol.acceptance.restart()  # as a probe starts
     pol.observe(2, 2)
     assert not pol.pays()
     assert pol.probe_pace() < 32 and pol.next_k() == 0 and pol.interval == 32
@@ -282,7 +283,7 @@ def test_under_load_where_no_acceptance_could_pay_nothing_is_probed():
     session never probes (a probe would feed the drafter everything it missed, for nothing) --
     until the load falls, when the usual probe pace starts over."""
     p = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
-    p.batch = 16.0
+    p.expect_load(16.0)
     assert p.loaded_out()
     ks = _run_batched(p, 200, 16)
     assert sum(1 for k in ks[1:] if k) == 0
@@ -300,7 +301,7 @@ def test_a_cost_table_timed_on_a_busy_machine_is_corrected_by_a_few_probes():
     assert not p.could_pay()
     for _ in range(2):  # two probes of 7 timed steps, each step 0.3 of a target step
         p.observe_time(7, 7 * 0.3 * step_s, 9, FLAT_TABLE[8] / 1000 * step_s / (FLAT_TABLE[0] / 1000), step_s)
-    assert 0.3 < 14.0 * p.scale_d < 0.6
+    assert 0.3 < 14.0 * p.costs.scale_d < 0.6
     assert p.could_pay()
 
 
@@ -399,10 +400,10 @@ def test_a_confident_probe_is_priced_by_the_block_it_drafts():
     assert 1.0 < p.probe_len() <= p.hi
     c = FP32_DRAFTER[0] / FP32_TARGET[0]
     n = p.probe_len()
-    assert p.probe_cost() >= p.vcost(n + 1) - 1.0 + c * n - 1e-9
+    assert p.probe_cost() >= p.costs.vcost(n + 1) - 1.0 + c * n - 1e-9
     # ... so more than a probe priced as one drafted token (one drafter step and the verification
     # of two tokens beyond one step)
-    assert p.probe_cost() > c + p.vcost(2) - 1.0
+    assert p.probe_cost() > c + p.costs.vcost(2) - 1.0
     # drafting pays at 90% acceptance, but the verification growing with the block leaves less to
     # save than the same drafter has against a flat (GPU-like) target table
     flat = DraftPolicy(DraftConfig(), c, verify_costs=FLAT_TABLE, drafter_costs=FP32_DRAFTER, measured=True)
@@ -482,21 +483,22 @@ def test_a_catch_up_is_priced_by_the_drafter_tokens_the_decoder_says_it_feeds():
 
     p = near()
     # within the table a forward costs what was measured, relative to one token's
-    assert math.isclose(p.dcost(17), BF16_DRAFTER[16] / BF16_DRAFTER[0])
+    assert math.isclose(p.costs.dcost(17), BF16_DRAFTER[16] / BF16_DRAFTER[0])
     # past its end (64 tokens) the price keeps growing: a 150-token forward costs at least the
     # measured 128-token one, and at most that in proportion to its tokens (a forward's fixed part
     # makes its cost grow no faster than its tokens)
     measured_128 = BF16_DRAFTER_128 / BF16_DRAFTER[0]
-    assert measured_128 <= p.dcost(150) <= measured_128 * 150 / 128
+    assert measured_128 <= p.costs.dcost(150) <= measured_128 * 150 / 128
     old = DraftPolicy(DraftConfig(), 0.67, verify_costs=FLAT_TABLE, drafter_costs=BF16_DRAFTER[:16], measured=True)
     # the short table ends flat (its last two entries are equal), so past its end it prices every
     # forward at its last entry: below what 128 tokens were measured to cost
     assert BF16_DRAFTER[14] == BF16_DRAFTER[15]
-    assert math.isclose(old.dcost(150), BF16_DRAFTER[15] / BF16_DRAFTER[0]) and old.dcost(150) < measured_128
+    assert math.isclose(old.costs.dcost(150), BF16_DRAFTER[15] / BF16_DRAFTER[0])
+    assert old.costs.dcost(150) < measured_128
     # where both tables hold measurements they agree; past the short one's end only the long one
     # sees the forward grow
-    assert [p.dcost(n) for n in range(1, 17)] == [old.dcost(n) for n in range(1, 17)]
-    assert p.dcost(150) > old.dcost(150)
+    assert [p.costs.dcost(n) for n in range(1, 17)] == [old.costs.dcost(n) for n in range(1, 17)]
+    assert p.costs.dcost(150) > old.costs.dcost(150)
     assert p.probe_cost(150) > p.probe_cost(48) + 1.0
     # rounds alone (no feed): a probe comes at its pace; told the drafter would be fed 3 tokens a
     # round, the same request sends fewer probes, none where the catch-up could not pay back
@@ -562,12 +564,13 @@ def test_a_record_of_misses_relaxes_request_by_request_until_a_probe_is_worth_it
     assert 5 <= n <= 20 and need == sorted(need, reverse=True), (n, need)
 
 
-# ---- many sessions: what the others do (DraftPolicy.others / peer_alpha / colocated) -------------
+# ---- many sessions: what the others do (DraftPolicy.see_peers) ------------------------------------
 
 def _loaded(v, d, c, rows, others, peer, alpha, colocated=True):
     p = DraftPolicy(DraftConfig(), c, verify_costs=v, drafter_costs=d, measured=True)
-    p.batch, p.others, p.peer_alpha, p.colocated = float(rows), others, peer, colocated
-    p.succ, p.trials = alpha, 1.0
+    p.expect_load(float(rows))
+    p.see_peers(others, peer, colocated)
+    p.acceptance.succ, p.acceptance.trials = alpha, 1.0
     return p
 
 
@@ -642,10 +645,10 @@ def test_a_few_drafters_that_lose_as_a_group_do_not_keep_each_other_drafting():
     as a whole (0.62x of target-only, traced). Each drafter's share of what the group adds says no."""
     p = _loaded(QWEN_BF16, QWEN05_INT8, 0.2, 16, 3.0, 0.63, 0.85)
     assert not p.pays()
-    b, n = p._load()
-    c = p.c * p.scale_d * p.steps_per_token()
-    e = p._tokens(p.alpha(), 1)
-    margin = 1 + b * (p._agg(1, e, n, b, c) - p._agg(1, e, n - 1, b, c))
+    b, n = p.costs.load()
+    c = p.costs.c * p.costs.scale_d * p.costs.steps_per_token()
+    e = expected_tokens(p.acceptance.alpha(), 1)
+    margin = 1 + b * (p.costs.agg(1, e, n, b, c) - p.costs.agg(1, e, n - 1, b, c))
     assert margin > 1.05 > p.rate(1)  # (the margin would have drafted)
 
 
@@ -661,7 +664,7 @@ def test_a_lone_doubted_token_accepted_is_not_a_hit_nor_a_reason_to_probe_faster
         pol.confident = True
         pol.interval = pol.wait = 32
         pol.probing = True
-        pol.succ, pol.trials = 0.3, 1.0  # as a probe starts
+        pol.acceptance.restart()  # as a probe starts
         return pol
 
     lone, two = probing(), probing()
@@ -701,7 +704,7 @@ def _chosen(pair, alpha: float, cfg: DraftConfig | None = None) -> int:
     """The block size a session picks at a measured acceptance of `alpha`."""
     c, v, d, measured = pair
     p = DraftPolicy(cfg or DraftConfig(), c, verify_costs=v, drafter_costs=d, measured=measured)
-    p.succ, p.trials = alpha, 1.0
+    p.acceptance.succ, p.acceptance.trials = alpha, 1.0
     return p.next_k()
 
 
@@ -709,11 +712,11 @@ def test_a_block_yields_between_one_token_and_all_its_drafts_plus_one():
     """E(k): the target's own token at least, every draft and the target's next at most; more
     drafts or a higher acceptance never yield less."""
     for a in ALPHAS:
-        e = [DraftPolicy._tokens(a, k) for k in range(0, 12)]
+        e = [expected_tokens(a, k) for k in range(0, 12)]
         assert all(1.0 <= x <= k + 1 + 1e-12 for k, x in enumerate(e)), (a, e)
         assert all(y >= x for x, y in itertools.pairwise(e))
     for k in range(12):
-        e = [DraftPolicy._tokens(a, k) for a in ALPHAS]
+        e = [expected_tokens(a, k) for a in ALPHAS]
         assert all(y >= x for x, y in itertools.pairwise(e))
 
 

@@ -1,0 +1,254 @@
+"""The cost model of the draft-length policy: what a round costs and what it yields per unit of time.
+
+:class:`CostModel` prices a round in units of one target decoding step -- the drafter's steps,
+the verification of the block, and (measured costs) the load of the sessions sharing the model
+servers' forwards -- and corrects its prices online from the rounds' wall-clock times.
+:func:`interpolate_cost` reads a forward-cost table (the batch scheduler uses it too);
+:func:`cost_ratio` turns the model servers' weight bytes into a drafter-step cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+from crossdraft.decoding.acceptance import clamp_alpha, expected_tokens
+
+
+class CostModel:
+    """Prices of a round in target decoding steps, and the rate they give at an acceptance.
+
+    One session alone: a block of k costs k drafter steps of ``c`` plus one target forward over
+    k + 1 tokens, v(k + 1) (v(1) = 1). ``c`` and the table v (``verify_costs``, v(m) for
+    m = 1..M, relative to v(1)) come either from the model servers' measured forward times
+    (``measured=True``: on CPUs the verification forward of a block can cost 2-3x a decoding step,
+    which a weight-bytes estimate cannot see), or from weight bytes with a small per-token slope.
+    Measured costs are corrected online from the rounds' wall-clock times (:meth:`observe_time`:
+    load, RPC overheads). Static costs are a function of the generated tokens only, so a seeded
+    sampling run picks the same block sizes, hence the same random draws and the same text, every
+    time (and after a failover).
+
+    Many sessions at once (measured costs only): the model servers batch the rounds of concurrent
+    sessions into one forward, so a session's share of the verification is v(B * m) / B and of a
+    drafter step d(B) / B, where B (``batch``) is the number of sessions the verifier reports as
+    sending it blocks lately (an exponential average; not the rows of the last batch: while sessions
+    draft, fewer of them are verifying at any moment, and pricing with that smaller number would
+    keep everyone drafting where everyone skipping is faster). Where forwards cost in proportion to
+    their tokens (a CPU in fp32) drafting stops paying as B grows -- the verifier would rather score
+    B sessions' single tokens than B blocks of which a third is rejected -- while on a GPU, flat in
+    m up to hundreds of tokens, it keeps paying. The drafter's table (``drafter_costs``, d(n) for
+    n = 1..M) gives d(B); without it d(B) = B. What the other sessions do -- how many of them draft
+    (``others``), their acceptance (``peer_alpha``) and whether the drafter computes on the
+    verifier's hardware (``colocated``) -- is part of what a block costs under load (:meth:`rate`).
+    """
+
+    margin = 1.05  # measured costs: draft only when it is expected to beat target-only by this factor
+    time_decay = 0.8
+    batch_decay = 0.7
+    step_decay = 0.85
+    # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
+    # while another process computed on the same cores (such a table can be off by more than 20x)
+    max_scale = 50.0
+
+    def __init__(self, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
+                 verify_costs: list[float] | None = None, measured: bool = False,
+                 drafter_costs: list[float] | None = None):
+        self.c = max(1e-3, float(cost_ratio))
+        self.slope = max(0.0, float(verify_slope))
+        self.v = [max(1e-6, float(x)) for x in verify_costs] if verify_costs else None
+        if self.v:
+            self.v = [x / self.v[0] for x in self.v]
+        self.d = [max(1e-6, float(x)) for x in drafter_costs] if drafter_costs else None
+        if self.d:
+            self.d = [x / self.d[0] for x in self.d]
+        self.measured = measured
+        self.batch = 1.0  # rows of the verifier's batches this session's rounds ran in (measured mode)
+        # many sessions (measured mode): how many of the OTHER sessions sharing the forwards draft now
+        # (None: unknown -- price as if all drafted alike), their mean acceptance estimate (None: as
+        # this session's), and whether the drafter computes on the verifier's hardware (its steps then
+        # stall every session's forwards, not only this one's round)
+        self.others: float | None = None
+        self.peer_alpha: float | None = None
+        self.colocated = True
+        self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
+        self.scale_v = 1.0  # measured/predicted verification time
+        # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
+        # Chinese character the Qwen target has as one token in 2-3 byte tokens); 1 in TLI mode
+        self.step_sum, self.tok_sum = 1.0, 1.0
+
+    def need(self) -> float:
+        """The rate (tokens per target step) drafting must reach to be worth it."""
+        return self.margin if self.measured else 1.0
+
+    # ---- the tables -----------------------------------------------------------------------------
+    def vcost(self, m: float) -> float:
+        """Cost of a target forward over m tokens, in target decoding steps."""
+        if not self.v:
+            return 1.0 + self.slope * (m - 1)
+        return interpolate_cost(self.v, m, self.slope)
+
+    def dcost(self, n: float) -> float:
+        """Cost of a drafter forward over n rows of one token, in drafter steps."""
+        return interpolate_cost(self.d, n, 1.0) if self.d else max(1.0, n)
+
+    def steps_per_token(self) -> float:
+        """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""
+        return min(8.0, max(0.25, self.step_sum / max(1e-6, self.tok_sum)))
+
+    # ---- what the rounds show -------------------------------------------------------------------
+    def observe_steps(self, steps: int, tokens: int) -> None:
+        """Text drafting: a block took `steps` drafter forwards and gave `tokens` target-token drafts."""
+        if steps > 0:
+            d = self.step_decay
+            self.step_sum = d * self.step_sum + steps
+            self.tok_sum = d * self.tok_sum + tokens
+
+    def observe_batch(self, rows: int) -> None:
+        """Measured mode: ``rows`` sessions share the verifier's forwards now."""
+        if self.measured and rows >= 1:
+            d = self.batch_decay
+            self.batch = d * self.batch + (1 - d) * float(rows)
+
+    def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
+        """Measured mode: a round's wall-clock times (drafter steps, the verification of m tokens),
+        against the predicted ones (target_step_s = the measured time of one target decoding step)."""
+        if not self.measured or target_step_s <= 0:
+            return
+        d = self.time_decay
+        b = self.batch
+        if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
+            ratio = verify_s / (self.vcost(b * m) * target_step_s)
+            self.scale_v = d * self.scale_v + (1 - d) * min(self.max_scale, max(1 / self.max_scale, ratio))
+        if steps > 0 and draft_s > 0:
+            # a ratio of times: averaged in log space, each drafter step one observation (a probe's
+            # block of 6 steps says more than one step does)
+            ratio = draft_s / (steps * self.c * self.dcost(b) * target_step_s)
+            w = d ** min(steps, 5)  # (at most as much as 5 steps: one slow moment must not decide alone)
+            ratio = min(self.max_scale, max(1 / self.max_scale, ratio))
+            self.scale_d = math.exp(w * math.log(self.scale_d) + (1 - w) * math.log(ratio))
+
+    # ---- prices ---------------------------------------------------------------------------------
+    def load(self) -> tuple[float, float]:
+        """(b, n): the sessions sharing the forwards and how many would draft with this one (itself
+        included): all b where the others' drafting is unknown."""
+        b = self.batch if self.measured else 1.0
+        if self.others is None or b <= 1.0:
+            return b, b
+        return b, min(b, 1.0 + max(0.0, self.others))
+
+    def vround(self, b: float, n: float, m: float) -> float:
+        """The verification of a round in which n of b sessions send blocks of m tokens (the others
+        one token), in target steps: padded to one forward of b x m, or the blocks in a forward of their
+        own beside the others' -- whichever is cheaper (what the scheduler's split chooses)."""
+        if n <= 0:
+            return self.vcost(b)
+        pad = self.vcost(b * m)
+        if n >= b - 1e-9:
+            return pad
+        return min(pad, self.vcost(n * m) + self.vcost(b - n))
+
+    def agg(self, k: int, e: float, n: float, b: float, c: float) -> float:
+        """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (each
+        yielding e tokens) and the rest do not, relative to all b target-only. Non-drafters' rounds
+        wait for the drafters' steps only where the drafter shares the verifier's hardware."""
+        if n <= 0:
+            return 1.0
+        sv = self.scale_v
+        v = sv * self.vround(b, n, k + 1)
+        dr = k * c * self.dcost(n)
+        tn = v + (dr if self.colocated else 0.0)
+        return ((b - n) / tn + n * e / (v + dr)) * sv * self.vcost(b) / b
+
+    def rate(self, k: int, a: float) -> float:
+        """Expected tokens per target decoding step with a block of k at acceptance a (k = 0:
+        target-only = 1).
+
+        One session alone: E(k) tokens for v(k + 1) + k drafter steps, against one token for v(1).
+        Many (b sessions share the forwards, measured costs): the better of two views. (a) This
+        session's share of what the n sessions drafting now (it included) add to the machine's
+        output: 1 + b x (the aggregate with them drafting - all target-only) / n, the aggregate from
+        :meth:`agg` -- a lone drafter among 15 sessions that do not costs a forward of its own (or
+        pads everyone) and, on shared hardware, drafter steps that stall them all, which a 1/b share
+        of a batch-wide cost hides. It is an average, not the margin of one more drafter: once a few
+        sessions pay for a forward of their own, one more adds little to it, and pricing by that
+        margin keeps a group drafting that loses as a whole.
+        (b) Everyone drafting alike, each at its own acceptance estimate (``peer_alpha``): b x E
+        tokens for v(b(k + 1)) + k drafter steps of b rows -- where that pays (flat GPU tables) the
+        sessions move there together even from a state where none drafts (there a lone drafter,
+        pricing (a) alone, would never start). Without the others' counts only (b) is priced, with
+        this session's estimate for all."""
+        if k == 0:
+            return 1.0
+        e = expected_tokens(a, k)
+        sv = self.scale_v
+        b, n = self.load()
+        c = self.c * self.scale_d * self.steps_per_token()
+        # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
+        # against b tokens for v(b) (target-only); b = 1 is one session alone
+        per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
+        if n >= b:
+            return e * per
+        alone = 1.0 + b * (self.agg(k, e, n, b, c) - 1.0) / n
+        # everyone drafting counts only where the others would join: drafting together must pay at
+        # their acceptance too (else they stay out and this session would draft alone after all)
+        pa = a if self.peer_alpha is None else clamp_alpha(self.peer_alpha)
+        ep = expected_tokens(pa, k)
+        if ep * per < self.need():
+            return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
+        return max(alone, (e + (b - 1.0) * ep) / b * per)
+
+    def stop_threshold(self, hi: int) -> float:
+        """The cumulative drafter probability below which a confident block stops (blocks up to hi).
+
+        Another proposal gains about (that product) x (the acceptance of one more token) tokens
+        and costs one drafter step, c_eff target steps; it is worth it while that gain beats what
+        the step would give elsewhere (~1.4 c_eff, tuned on recorded traces; capped at 0.9)."""
+        b, n = self.load()
+        # this session's share of the round's costs where n of b sessions draft: the verification's
+        # extra and (on shared hardware) the drafter's steps are the drafters', b/n each in units of a
+        # session's target step (b = n: everyone alike)
+        share = b / n
+        # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
+        c_eff = (self.c * self.scale_d * self.dcost(n) * self.steps_per_token() * (share if self.colocated else 1.0)
+                 / (self.scale_v * self.vcost(b)))
+        # and a longer block costs a longer verification: the mean extra cost of one more token over
+        # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
+        dv = share * max(0.0, self.vround(b, n, hi + 1) - self.vcost(b)) / (hi * self.vcost(b))
+        return min(0.9, 1.4 * (c_eff + dv))
+
+    def probe_cost(self, n: float, feed: int = 1) -> float:
+        """What a block of n drafted tokens costs, in target decoding steps, if none of it is accepted:
+        the drafter forward that feeds the `feed` tokens it has not seen and proposes the first
+        token, the steps for the rest of the block (more steps per token in text mode), and the
+        verification that much longer."""
+        b, nd = self.load()
+        share = b / nd  # (as in stop_threshold)
+        sv, vb = self.scale_v, self.vcost(b)
+        steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
+        drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
+        return (drafter + sv * share * max(0.0, self.vround(b, nd, n + 1) - vb)) / (sv * vb)
+
+
+def interpolate_cost(t: list[float], x: float, slope: float) -> float:
+    """t[i] = cost of i + 1 units; linear in between, past the end the last step (or ``slope``) goes on."""
+    if x <= 1:
+        return t[0]
+    if x <= len(t):
+        i = int(x) - 1
+        frac = x - (i + 1)
+        return t[i] if frac == 0 else t[i] + (t[i + 1] - t[i]) * frac
+    last = t[-1]
+    step = max(0.0, last - t[-2]) if len(t) > 1 else slope
+    return last + step * (x - len(t))
+
+
+def cost_ratio(drafter: tuple[int, int, int], target: tuple[int, int, int]) -> float:
+    """Drafter cost per token relative to one target forward, from the model servers' weight bytes
+    (``(body_bytes, head_row_bytes, head_rows)``, crossdraft.runtime.sessions.cost_numbers).
+
+    One-token forwards are bound by reading weights, so the ratio of bytes read estimates the ratio
+    of step times; it underprices a small drafter, whose fixed per-forward costs weigh more.
+    Deterministic on purpose: static costs reproduce a seeded run anywhere (see CostModel).
+    """
+    db, drow, drows = drafter
+    tb, trow, trows = target
+    return (db + drow * drows) / max(1, tb + trow * trows)
