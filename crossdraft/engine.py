@@ -5,19 +5,17 @@ in-process worker per model (:mod:`crossdraft.runtime.workers`, the same code th
 the round loop (:class:`crossdraft.decoding.decode.Decoder`, the same code the gateway runs), so the
 engine and the services produce the same tokens.
 
-Module layering (arrows run one way; tests/unit/test_layout.py checks there is no cycle):
-``engine -> decode -> workers -> sessions -> sampling``, with ``policy``, ``ports`` and ``vocab``
-beside them.
+The engine is a top module: it joins the model side (:mod:`crossdraft.runtime`) to the model-free
+round loop (:mod:`crossdraft.decoding`), which never imports it (docs/layout.md, "Layers";
+tests/unit/test_layout.py checks the layers). ``__all__`` is what users import from here.
 """
 
 from __future__ import annotations
 
-from crossdraft.decoding.decode import Decoder, GenerationResult, Stats  # noqa: F401  (re-exported)
-from crossdraft.decoding.policy import (  # noqa: F401  (DraftConfig re-exported: crossdraft.engine.DraftConfig)
-    DEFAULT_DRAFT_VOCAB,
-    DraftConfig,
-)
+from crossdraft.decoding.decode import Decoder
+from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB, DraftConfig
 from crossdraft.decoding.sampling import SamplingParams
+from crossdraft.decoding.stats import GenerationResult, Stats
 from crossdraft.errors import InvalidArgument
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
 from crossdraft.vocab.pair import TokenPair

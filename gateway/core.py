@@ -12,7 +12,8 @@ import time
 
 from opentelemetry import trace
 
-from crossdraft.decoding.decode import Decoder, check_stop
+from crossdraft.decoding.decode import Decoder
+from crossdraft.decoding.output import check_stop
 from crossdraft.errors import NotFound, Unavailable, check_int, check_session_id
 from crossdraft.vocab.pair import TokenPair
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from crossdraft.decoding.decode import Decoder, _safe_end, check_stop
+from crossdraft.decoding.decode import Decoder
+from crossdraft.decoding.output import check_stop, safe_end
 from crossdraft.decoding.policy import DraftConfig
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument
@@ -113,11 +114,11 @@ def test_sampling_stops_too(dec):
     assert res.text == ref.text[:ref.text.find(stop)] and res.stats.finish_reason == "stop"
 
 
-def test_safe_end():
-    assert _safe_end(bytearray(b"hello wor"), (b"world",)) == 6
-    assert _safe_end(bytearray(b"hello"), (b"world",)) == 5
-    assert _safe_end(bytearray(b"ab"), (b"abc", b"b")) == 0
-    assert _safe_end(bytearray(b""), (b"x",)) == 0
+def testsafe_end():
+    assert safe_end(bytearray(b"hello wor"), (b"world",)) == 6
+    assert safe_end(bytearray(b"hello"), (b"world",)) == 5
+    assert safe_end(bytearray(b"ab"), (b"abc", b"b")) == 0
+    assert safe_end(bytearray(b""), (b"x",)) == 0
 
 
 @pytest.mark.parametrize("bad, field", [(5, "stop"), (["a", "b", "c", "d", "e"], "stop"), ([""], "stop[0]"),

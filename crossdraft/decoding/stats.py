@@ -1,0 +1,112 @@
+"""What a run reports: the per-call :class:`Stats`, each round's :class:`RoundEvent` and the
+finished :class:`GenerationResult` (the engine returns it; the gateway turns it into its replies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def draws_of(params) -> str:
+    """Stats.draws for a request's sampling parameters."""
+    return "greedy" if params.greedy else "coupled" if params.coupled else "rejection"
+
+
+@dataclass
+class Stats:
+    """Per-call statistics, JSON-friendly."""
+
+    mode: str = "target-only"
+    draft_mode: str = ""  # "tli" (drafts from the vocabulary intersection) or "text" (greedy: drafted text re-encoded)
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    resyncs: int = 0
+    healed: int = 0  # text mode: blocks whose drafter re-chose its last id (token healing, crossdraft.vocab.healing)
+    skipped_rounds: int = 0  # speculative rounds in which the policy drafted nothing (drafting did not pay)
+    cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
+    # how each token was chosen: "greedy" (argmax), "coupled" (a function of (seed, position): the same
+    # text with or without a drafter) or "rejection" (the classic accept/resample rule)
+    draws: str = ""
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0  # time in the rounds outside the two models' forwards (mapping, bookkeeping, RPCs)
+    total_s: float = 0.0
+    finish_reason: str = "length"
+    drafter_fallback: bool = False  # the drafter failed or was too slow: the rest ran target-only
+    fallback_reason: str = ""
+    reused_target_tokens: int = 0  # verifier KV-cache entries reused from an earlier request
+    reused_drafter_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        d["acceptance_by_position"] = [
+            a / n if n else 0.0 for a, n in zip(self.accepted_by_position, self.drafted_by_position, strict=True)
+        ]
+        d["mean_accepted_per_round"] = self.accepted / self.rounds if self.rounds else 0.0
+        d["tokens_per_round"] = self.new_tokens / self.rounds if self.rounds else 0.0
+        gen_s = self.total_s - self.prefill_s
+        d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+        d["decode_tokens_per_s"] = self.new_tokens / gen_s if gen_s > 0 else 0.0
+        del d["draft_lengths"]
+        d["mean_draft_length"] = float(np.mean(self.draft_lengths)) if self.draft_lengths else 0.0
+        return d
+
+    def record_round(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        if k:
+            self.draft_lengths.append(k)
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            self.drafted_by_position[i] += 1
+            if i < n:
+                self.accepted_by_position[i] += 1
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # target ids of the new tokens (EOS included when it ended the output)
+    stats: Stats
+    # a stop string ended the output: the stop string and whatever followed it in the same token
+    # (not part of ``text``, but part of what ``token_ids`` spell)
+    stop_tail: str = ""
+    logprobs: list | None = None  # per token of token_ids, when asked for (see RoundEvent.logprobs)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+@dataclass
+class RoundEvent:
+    """What one round did; yielded by :meth:`Decoder.run` as soon as the round ends."""
+
+    round_index: int
+    requested: int  # block size asked of the drafter
+    drafted: int  # drafts verified (target ids)
+    accepted: int
+    emitted: list[int]  # new target ids (after EOS / budget trimming)
+    text: str  # new text (complete UTF-8 characters only)
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    done: bool
+    target_ids: list[int] = field(repr=False, default_factory=list)  # the session's ids now (shared, do not mutate)
+    drafter_ids: list[int] | None = field(repr=False, default=None)
+    batch_size: int = 1  # sessions in the verifier's batched forward that verified this block
+    queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
+    # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
+    logprobs: list | None = field(repr=False, default=None)
