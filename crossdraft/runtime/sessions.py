@@ -483,6 +483,7 @@ class DrafterSession(_ModelSession):
         del self.fed[n:]
         return j, float(torch.softmax(row, dim=-1)[j]), heal.rest(need, tok)
 
+    # one pass per drafted token; healing, the penalty, the draw rule and the block's end share its state: kept whole
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
                    stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None, position: int = -1):
         """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
