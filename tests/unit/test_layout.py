@@ -272,3 +272,43 @@ def test_ports_are_stated_and_the_adapters_conform():
                 want = list(inspect.signature(getattr(port, name)).parameters)
                 have = list(inspect.signature(getattr(impl, name)).parameters)
                 assert have[: len(want)] == want, f"{impl.__name__}.{name}{have} vs {port.__name__}.{name}{want}"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def long_code(files: dict[str, Path]) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines, and functions over MAX_FUNCTION_LINES lines without a comment
+    line right above them (above their decorators) saying why they stay whole."""
+    bad = []
+    for mod, f in files.items():
+        lines = f.read_text().splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            bad.append(f"{mod}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                above = lines[first - 2].strip() if first >= 2 else ""
+                if length > MAX_FUNCTION_LINES and not above.startswith("#"):
+                    bad.append(f"{mod}.{node.name}: {length} lines and no comment above it saying why")
+    return bad
+
+
+def test_modules_and_functions_stay_short():
+    bad = long_code(repo_modules())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_length_check_sees_long_modules_and_unexplained_long_functions(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    explained = tmp_path / "explained.py"
+    explained.write_text(f"# one pass over shared state: kept whole\n@staticmethod\ndef f():\n{body}")
+    bare = tmp_path / "bare.py"
+    bare.write_text(f"x = 1\n\ndef g():\n{body}")
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_code({"explained": explained}) == []
+    assert long_code({"bare": bare}) == [f"bare.g: {MAX_FUNCTION_LINES + 1} lines and no comment above it saying why"]
+    assert long_code({"big": big}) == [f"big: {MAX_MODULE_LINES + 1} lines"]
