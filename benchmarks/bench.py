@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machineclass import result_name  # noqa: E402
 from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
 from crossdraft.home import crossdraft_home  # noqa: E402
@@ -219,8 +220,9 @@ def main() -> None:
     if a.smoke:
         a.prompt_set, a.max_new_tokens, a.modes, a.no_hf, a.paired = "smoke", 48, "greedy", True, True
         if a.tag == "bench":
-            a.tag = "smoke"
+            a.tag = "bench-smoke"
             a.out = str(ROOT / ".cache" / "bench")
+    a.tag = result_name(a.tag)  # results are filed per machine class
 
     _install_hf_counters()
     labelled = prompt_set(a.prompt_set, a.prompts)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import requests  # noqa: E402
 from bench import MIXED_PROMPTS, _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 
+from benchmarks.machineclass import result_name  # noqa: E402
 from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
@@ -370,7 +371,7 @@ def main() -> None:
            "versions": versions}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = a.tag or f"concurrency-{a.drafter or 'none'}-{a.target}"
+    tag = result_name(a.tag or f"concurrency-{a.drafter or 'none'}-{a.target}")  # filed per machine class
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / (tag + '.json')}", flush=True)
     summary(res)

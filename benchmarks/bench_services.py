@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from bench import _cpu_name, git_commit, humaneval_prompts  # noqa: E402
 
+from benchmarks.machineclass import result_name  # noqa: E402
 from crossdraft.decoding.sampling import SamplingParams  # noqa: E402
 from crossdraft.engine import DraftConfig, Engine  # noqa: E402
 from crossdraft.models import loading as M  # noqa: E402
@@ -340,6 +341,7 @@ def main() -> None:
     ap.add_argument("--log-dir", default=None, help="service logs (default: a temporary directory)")
     ap.add_argument("--tag", default="services")
     a = ap.parse_args()
+    a.tag = result_name(a.tag)  # results are filed per machine class
 
     from crossdraft.client import Client
 

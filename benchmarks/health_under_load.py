@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import _cpu_name, git_commit  # noqa: E402
 from bench_concurrency import Service, baseline_checkout  # noqa: E402
 
+from benchmarks.machineclass import result_name  # noqa: E402
 from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
@@ -311,6 +312,7 @@ def main() -> None:
     ap.add_argument("--tag", default="health-under-load")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
+    a.tag = result_name(a.tag)  # results are filed per machine class
     a.loads = [int(x) for x in a.loads.split(",")]
     a.max_load = max(a.loads)
     a.mix = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
