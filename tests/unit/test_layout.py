@@ -312,3 +312,15 @@ def test_the_length_check_sees_long_modules_and_unexplained_long_functions(tmp_p
     assert long_code({"explained": explained}) == []
     assert long_code({"bare": bare}) == [f"bare.g: {MAX_FUNCTION_LINES + 1} lines and no comment above it saying why"]
     assert long_code({"big": big}) == [f"big: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_a_gateway_process_loads_no_model_runtime():
+    # what a gateway pod imports at start: nothing of the runtime and no transformers (its tokenizers load later)
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.server, gateway.core, gateway.rest, gateway.service; "
+            "print(sorted(m for m in sys.modules if m.startswith('crossdraft.runtime') or m == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
