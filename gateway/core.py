@@ -98,7 +98,8 @@ class Gateway:
                 dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
                                                     check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
                                                     round_log=self.cfg.round_log,
-                                                    colocated=colocated(self.cfg.colocated, v_addr, d_addr))
+                                                    colocated=colocated(self.cfg.colocated, v_addr, d_addr,
+                                                                        self.placement.info))
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@ ready pod, keeps later rounds on the pod recorded for the session (its KV cache 
 moves the session when that pod is gone -- the new pod rebuilds the cache from the history. The
 connection to a pod that left its pool is closed once no call uses it (:meth:`Placement.prune`):
 pods come and go with every rollout, and a gateway must not keep a channel per address it ever saw.
-:func:`colocated` says whether a drafter and a verifier compute on one host (the draft-length policy
-prices a colocated drafter's steps by the verification they stall).
+:func:`colocated` says whether a drafter and a verifier compute on the same hardware: one host, and
+not told apart by the placement they report (CPU sets, CUDA devices); the draft-length policy prices a
+colocated drafter's steps by the verification they stall.
 """
 
 from __future__ import annotations
@@ -249,6 +250,16 @@ class Placement:
                     close()
         return [key for key, _ in dropped]
 
+    def info(self, kind: str, addr: str | None) -> dict | None:
+        """The ModelInfo of the `kind` server at `addr` (its client's cached copy), or None when it
+        cannot be asked (no address, or a server that does not answer)."""
+        if not addr:
+            return None
+        try:
+            return self.client(kind, addr).info()
+        except Exception:
+            return None
+
     def any_client(self, kind: str, timeout_s: float = 0.0):
         pool = self.pools[kind]
         if pool is None:
@@ -279,9 +290,33 @@ def _host(addr: str) -> str:
     return a.lower()
 
 
-def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
+def _cuda_index(device: str) -> str:
+    """A CUDA device string with its index: "cuda" is the process's current device, cuda:0."""
+    return "cuda:0" if device == "cuda" else device
+
+
+def _apart(v_info: dict | None, d_info: dict | None) -> bool:
+    """Whether two model servers on one host compute on separate hardware, by the placement they
+    report in ModelInfo: different CUDA devices, or CPU devices with disjoint CPU sets (``cpus``,
+    their affinity). False when either server does not say (no info, or an older server)."""
+    if not v_info or not d_info:
+        return False
+    dv, dd = (_cuda_index(str(i.get("device") or "").lower()) for i in (v_info, d_info))
+    if dv.startswith("cuda") and dd.startswith("cuda"):
+        return dv != dd
+    if dv == dd == "cpu":
+        cv, cd = set(v_info.get("cpus") or ()), set(d_info.get("cpus") or ())
+        return bool(cv) and bool(cd) and not cv & cd
+    return False
+
+
+def colocated(setting: str, v_addr: str, d_addr: str | None, info=None) -> bool:
     """Whether the drafter at d_addr computes on the same hardware as the verifier at v_addr: "yes",
-    "no", or "auto" -- both on this host's loopback, or the same host."""
+    "no", or "auto" -- both on this host's loopback, or the same host, unless the placement they
+    report tells them apart (disjoint CPU sets, different CUDA devices; see ``_apart``).
+
+    info: ``(kind, addr) -> ModelInfo dict or None`` (e.g. :meth:`Placement.info`), asked only
+    for a pair on one host; without it (or without an answer) the hosts alone decide."""
     if setting in ("yes", "no"):
         return setting == "yes"
     if not d_addr:
@@ -291,4 +326,7 @@ def colocated(setting: str, v_addr: str, d_addr: str | None) -> bool:
     def local(h: str) -> bool:
         return h in _LOOPBACK or h.startswith("127.")
 
-    return (local(hv) and local(hd)) or (hv == hd and hv != "")
+    same_host = (local(hv) and local(hd)) or (hv == hd and hv != "")
+    if not same_host or info is None:
+        return same_host
+    return not _apart(info("verifier", v_addr), info("drafter", d_addr))

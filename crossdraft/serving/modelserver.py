@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from crossdraft.argtypes import float_arg, int_arg, port_arg
+from crossdraft.argtypes import cpu_list_arg, float_arg, format_cpu_list, int_arg, port_arg
 from crossdraft.errors import InvalidArgument, Unavailable
 from crossdraft.serving.tls import TLSConfig
 
@@ -50,6 +50,7 @@ class ModelServerConfig:
     trust_remote_code: bool = False  # Hub ids / HF dirs: run the repo's own modelling code
     quantize: str = "auto"  # drafters: int8 weight copies for one-token steps (models.quant); verifiers: none
     cpu_linear: str = "auto"  # fp32 on a CPU: linear layers on oneDNN-packed weights if faster (models.cpulinear)
+    cpus: tuple[int, ...] = ()  # pin the process to these CPUs, one torch thread each (() = unpinned)
 
 
 def _env(name: str, default):
@@ -93,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                         "oneDNN (on some CPUs several times faster for the few-token forwards of verification; "
                         "the same numbers); auto = packed where it measures faster at load (env "
                         "CROSSDRAFT_CPU_LINEAR)")
+    p.add_argument("--cpus", type=cpu_list_arg("--cpus", env="CROSSDRAFT_CPUS"), default=_env("CPUS", None) or None,
+                   metavar="LIST",
+                   help="run on these CPUs only, e.g. 0-3 or 0,2,4-5: the process pins itself to them and "
+                        "uses one torch thread per CPU (default: every CPU, torch's own thread count) "
+                        "(env CROSSDRAFT_CPUS)")
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address (env CROSSDRAFT_HOST)")
     p.add_argument("--port", type=port_arg("--port", env="CROSSDRAFT_PORT", zero="a free port"),
                    default=str(_env("PORT", default_port)), help="gRPC port (env CROSSDRAFT_PORT)")
@@ -175,7 +181,8 @@ def config_from_args(a) -> ModelServerConfig:
                             model_file=getattr(a, "model_file", None) or None,
                             trust_remote_code=bool(getattr(a, "trust_remote_code", False)),
                             quantize=parse_mode(getattr(a, "quantize", "auto")),
-                            cpu_linear=cpulinear.parse_mode(getattr(a, "cpu_linear", "auto") or "auto"))
+                            cpu_linear=cpulinear.parse_mode(getattr(a, "cpu_linear", "auto") or "auto"),
+                            cpus=tuple(getattr(a, "cpus", None) or ()))
     batch_config(cfg)  # validates the batching flags
     cfg.tls.check_server(require_client_ca=True)
     if not 0 <= cfg.health_port < 65536:
@@ -201,6 +208,37 @@ def batch_config(cfg: ModelServerConfig):
                        max_wait_ms=cfg.batch_wait_ms, prefill_chunk=cfg.prefill_chunk,
                        kv_cache_tokens=cfg.kv_cache_tokens,
                        kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, cuda_graphs=cfg.cuda_graphs)
+
+
+def pin_cpus(cpus) -> tuple[int, int] | None:
+    """Pin this process to `cpus` and size torch's thread pools to them, before a model loads.
+
+    Every thread of the process gets the affinity (threads started later inherit it); torch gets
+    one intra-op thread per CPU, and as many inter-op threads (torch allows setting those only
+    before its first parallel work: a process that already did some keeps its own). Returns
+    (intra-op, inter-op) threads, or None when `cpus` is empty (nothing changes).
+    """
+    if not cpus:
+        return None
+    import torch
+
+    cpus = set(cpus)
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: threads started from now on inherit the calling thread's set
+        tids = []
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(len(cpus))
+    try:
+        torch.set_num_interop_threads(len(cpus))
+    except RuntimeError:
+        pass
+    return torch.get_num_threads(), torch.get_num_interop_threads()
 
 
 class Loading:
@@ -243,6 +281,12 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
     """Bind, load the model in the background, serve until SIGTERM/SIGINT. Returns an exit code."""
     from crossdraft.serving import rpc, telemetry
 
+    # pinned before any server thread starts and before the model loads (its thread pools and the
+    # cost table, which is keyed by the thread count, follow the CPU set)
+    threads = pin_cpus(cfg.cpus)
+    if threads:
+        print(f"crossdraft {kind}: pinned to CPUs {format_cpu_list(cfg.cpus)}; torch threads: {threads[0]} intra-op, "
+              f"{threads[1]} inter-op", flush=True)
     logging.basicConfig(level=os.environ.get("CROSSDRAFT_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {kind} %(levelname)s %(message)s")
     provider = telemetry.setup_tracing(f"crossdraft-{kind}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from crossdraft.argtypes import int_arg
+from crossdraft.argtypes import cpu_list_arg, format_cpu_list, int_arg
 from crossdraft.serving.children import GrpcHealthProbe, HttpProbe, log_tail, port_in_use, signal_group
 from crossdraft.serving.redis_server import RedisServer, free_port
 
@@ -63,6 +63,11 @@ class UpConfig:
     drafter_port: int = 50061  # drafter gRPC port (0 = pick a free one)
     verifier_port: int = 50062  # verifier gRPC port (0 = pick a free one)
     device: str | None = None  # --device for drafter and verifier (None = their default)
+    drafter_device: str | None = None  # the drafter's --device, overriding `device` (None = `device`)
+    verifier_device: str | None = None  # the verifier's --device, overriding `device` (None = `device`)
+    drafter_cpus: tuple[int, ...] = ()  # the drafter's --cpus: pinned to these CPUs (() = unpinned)
+    verifier_cpus: tuple[int, ...] = ()  # the verifier's --cpus (() = unpinned); gateway and Redis stay unpinned
+    pipeline: str | None = None  # the gateway's --pipeline auto|on|off (None = the gateway's default)
     target_dtype: str | None = None  # verifier --dtype (None = its default)
     drafter_dtype: str | None = None  # drafter --dtype (None = its default)
     target_revision: str | None = None  # verifier --revision of a Hub-id target (None = the id's own / main)
@@ -122,11 +127,13 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if len(set(ports.values())) != len(ports):
         raise ValueError(f"ports must be distinct: {ports}")
 
-    def model_args(model: str, port: int, dtype: str | None, revision: str | None = None,
-                   model_file: str | None = None) -> list[str]:
+    def model_args(model: str, port: int, dtype: str | None, revision: str | None, model_file: str | None,
+                   device: str | None, cpus: tuple[int, ...]) -> list[str]:
         args = ["--model", model, "--host", cfg.host, "--port", str(port)]
-        if cfg.device:
-            args += ["--device", cfg.device]
+        if device or cfg.device:
+            args += ["--device", device or cfg.device]
+        if cpus:
+            args += ["--cpus", format_cpu_list(cpus)]
         if dtype:
             args += ["--dtype", dtype]
         if revision:
@@ -141,10 +148,10 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if cfg.drafter is not None:
         cmds["drafter"] = [cfg.python, "-m", "drafter",
                            *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype, cfg.drafter_revision,
-                                      cfg.drafter_file)]
+                                      cfg.drafter_file, cfg.drafter_device, cfg.drafter_cpus)]
     cmds["verifier"] = [cfg.python, "-m", "verifier",
                         *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype, cfg.target_revision,
-                                   cfg.target_file)]
+                                   cfg.target_file, cfg.verifier_device, cfg.verifier_cpus)]
     gateway = [cfg.python, "-m", "gateway"]
     if cfg.drafter is not None:
         gateway += ["--drafter", f"{cfg.host}:{cfg.drafter_port}"]
@@ -155,6 +162,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
         "--http-port", str(cfg.http_port),
         "--grpc-port", str(cfg.grpc_port),
     ]  # fmt: skip
+    if cfg.pipeline:
+        gateway += ["--pipeline", cfg.pipeline]
     cmds["gateway"] = gateway
     return cmds
 
@@ -198,6 +207,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-drafter", action="store_true", help="run target-only: no drafter service")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N for both models (default: the services' own)")
+    parser.add_argument("--drafter-device", default=None,
+                        help="the drafter's device, overriding --device (e.g. cuda:0 beside --verifier-device cuda:1)")
+    parser.add_argument("--verifier-device", default=None, help="the verifier's device, overriding --device")
+    parser.add_argument("--drafter-cpus", type=cpu_list_arg("--drafter-cpus"), default=None, metavar="LIST",
+                        help="pin the drafter to these CPUs, e.g. 0 or 0-3 or 0,2,4-5, with one torch thread each "
+                             "(its --cpus; default: unpinned)")
+    parser.add_argument("--verifier-cpus", type=cpu_list_arg("--verifier-cpus"), default=None, metavar="LIST",
+                        help="pin the verifier to these CPUs (its --cpus; default: unpinned). The gateway and "
+                             "Redis stay unpinned")
+    parser.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
+                        help="the gateway's --pipeline: draft the next block while the verifier checks this one "
+                             "(default: the gateway's own)")
     parser.add_argument("--target-dtype", default=None, help="verifier dtype (default: the service's own)")
     parser.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: the service's own)")
     parser.add_argument("--http-port", type=_port_arg, default=d.http_port, help="gateway REST port (0 = free port)")
@@ -227,6 +248,11 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         drafter_port=args.drafter_port,
         verifier_port=args.verifier_port,
         device=args.device,
+        drafter_device=getattr(args, "drafter_device", None) or None,
+        verifier_device=getattr(args, "verifier_device", None) or None,
+        drafter_cpus=tuple(getattr(args, "drafter_cpus", None) or ()),
+        verifier_cpus=tuple(getattr(args, "verifier_cpus", None) or ()),
+        pipeline=getattr(args, "pipeline", None) or None,
         target_dtype=args.target_dtype,
         drafter_dtype=args.drafter_dtype,
         target_revision=getattr(args, "target_revision", None) or None,

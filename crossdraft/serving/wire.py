@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from crossdraft.argtypes import available_cpus
 from crossdraft.decoding.messages import Expect
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument
@@ -29,6 +30,10 @@ def expect_to_proto(e: Expect | None) -> common_pb2.ContextCheck | None:
 
 
 def model_info_to_proto(d: dict) -> common_pb2.ModelInfo:
+    """A model server's ModelInfo about itself; `cpus` defaults to this process's CPU affinity set
+    (what it computes on, so a gateway can tell two servers on one host apart, gateway.discovery)."""
+    if "cpus" not in d:
+        d = dict(d, cpus=sorted(available_cpus()))
     return common_pb2.ModelInfo(**d)
 
 
@@ -39,7 +44,8 @@ def model_info_from_proto(m: common_pb2.ModelInfo) -> dict:
                 max_sessions=m.max_sessions, active_sessions=m.active_sessions, instance_id=m.instance_id,
                 forward_ms=[float(x) for x in m.forward_ms], kv_blocks_total=m.kv_blocks_total,
                 kv_blocks_used=m.kv_blocks_used, kv_block_size=m.kv_block_size, max_batch_rows=m.max_batch_rows,
-                tokenizer_files_digest=m.tokenizer_files_digest, revision=m.revision, features=list(m.features))
+                tokenizer_files_digest=m.tokenizer_files_digest, revision=m.revision, features=list(m.features),
+                cpus=[int(c) for c in m.cpus])
 
 
 def pack_mask(mask: np.ndarray) -> bytes:

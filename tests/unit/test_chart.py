@@ -250,6 +250,7 @@ def test_crd_kinds_only_when_enabled(render):
     "verifier.modelFile=../up.gguf",
     "hub.cache.create.size=lots",
     "hub.endpoint=mirror.internal",
+    "gateway.pipeline=sometimes",
 ])
 def test_schema_rejects_bad_values(helm, bad_set):
     for cmd in (["template", RELEASE], ["lint"]):
@@ -602,6 +603,16 @@ def test_gateway_drain_matches_the_pod_grace_period(helm, render):
     g = gateway(docs)
     assert "lifecycle" not in container(g)
     assert pod_spec(g)["terminationGracePeriodSeconds"] == 105
+
+
+def test_gateway_pipeline_value_is_its_env(helm, render):
+    """gateway.pipeline is the gateway's --pipeline, through CROSSDRAFT_PIPELINE in its ConfigMap
+    (auto by default)."""
+    gcm = find(render("default"), "ConfigMap", f"{FULL}-gateway-config")["data"]
+    assert gcm["CROSSDRAFT_PIPELINE"] == "auto"
+    docs = _template(helm, ("--set", "gateway.pipeline=off"), K8S_VERSIONS[-1])
+    assert find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]["CROSSDRAFT_PIPELINE"] == "off"
+    assert "CROSSDRAFT_PIPELINE" not in find(docs, "ConfigMap", f"{FULL}-models")["data"]
 
 
 # -------------------------------------------------------------------------------- Hugging Face Hub ids

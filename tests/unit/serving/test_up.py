@@ -184,6 +184,59 @@ def test_arguments_and_config(monkeypatch):
         p.parse_args(["--http-port", "70000"])
 
 
+def test_child_commands_placement_per_model_and_pipeline():
+    """--drafter-device / --verifier-device override --device per model; --drafter-cpus /
+    --verifier-cpus become each model server's --cpus (in list form); --pipeline goes to the gateway
+    only; the gateway gets no --cpus (it stays unpinned)."""
+    cfg = UpConfig(target="T", drafter="D", device="cpu", drafter_device="cuda:0", verifier_device="cuda:1",
+                   drafter_cpus=(0,), verifier_cpus=(1, 2, 3, 5), pipeline="on", drafter_port=6001,
+                   verifier_port=6002, http_port=8123, grpc_port=6051, redis_url="redis://127.0.0.1:7000/0",
+                   python="/py")  # fmt: skip
+    cmds = child_commands(cfg)
+    assert cmds["drafter"] == ["/py", "-m", "drafter", "--model", "D", "--host", "127.0.0.1", "--port", "6001",
+                               "--device", "cuda:0", "--cpus", "0"]  # fmt: skip
+    assert cmds["verifier"] == ["/py", "-m", "verifier", "--model", "T", "--host", "127.0.0.1", "--port", "6002",
+                                "--device", "cuda:1", "--cpus", "1-3,5"]  # fmt: skip
+    assert cmds["gateway"][-2:] == ["--pipeline", "on"]
+    assert "--cpus" not in cmds["gateway"] and "--device" not in cmds["gateway"]
+    # one override only: the other model keeps --device
+    cmds = child_commands(UpConfig(device="cuda", verifier_device="cuda:1", redis_url="redis://r:1/0"))
+    assert cmds["drafter"][cmds["drafter"].index("--device") + 1] == "cuda"
+    assert cmds["verifier"][cmds["verifier"].index("--device") + 1] == "cuda:1"
+    # an override without --device
+    cmds = child_commands(UpConfig(drafter_device="cuda:0", redis_url="redis://r:1/0"))
+    assert cmds["drafter"][cmds["drafter"].index("--device") + 1] == "cuda:0" and "--device" not in cmds["verifier"]
+    # none of the new flags: the command lines of today
+    cmds = child_commands(UpConfig(redis_url="redis://r:1/0"))
+    assert all("--cpus" not in c and "--pipeline" not in c and "--device" not in c for c in cmds.values())
+
+
+def test_placement_and_pipeline_arguments(capsys):
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    a = p.parse_args(["--drafter-cpus", "0", "--verifier-cpus", "1,0", "--drafter-device", "cuda:0",
+                      "--verifier-device", "cuda:1", "--pipeline", "off"])  # fmt: skip
+    cfg = up.config_from_args(a, environ={})
+    assert (cfg.drafter_cpus, cfg.verifier_cpus) == ((0,), (0, 1))
+    assert (cfg.drafter_device, cfg.verifier_device, cfg.pipeline) == ("cuda:0", "cuda:1", "off")
+    cfg = up.config_from_args(p.parse_args([]), environ={})
+    assert (cfg.drafter_cpus, cfg.verifier_cpus, cfg.drafter_device, cfg.verifier_device, cfg.pipeline) == \
+        ((), (), None, None, None)
+    have = sorted(os.sched_getaffinity(0))
+    for flag, value, message in [
+        ("--drafter-cpus", "", "--drafter-cpus: must name at least one CPU"),
+        ("--verifier-cpus", "-1", "--verifier-cpus: CPU numbers must be >= 0"),
+        ("--drafter-cpus", "zero", "--drafter-cpus: must be a list of CPU numbers"),
+        ("--verifier-cpus", str(have[-1] + 1), f"--verifier-cpus: CPU {have[-1] + 1} is not available here"),
+        ("--pipeline", "sometimes", "invalid choice: 'sometimes'"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            p.parse_args([flag, value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: " in err and message in err, err
+
+
 # -- Stack with fake children ------------------------------------------------------------------
 
 
