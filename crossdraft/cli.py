@@ -8,6 +8,7 @@ import os
 import sys
 
 from crossdraft.argtypes import INT63, int_arg
+from crossdraft.decoding.pipeline import PIPELINE_CHOICES
 from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.errors import CrossdraftError, InvalidArgument
 
@@ -87,6 +88,9 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
                         "else tli")
     p.add_argument("--stop-below", type=_float_arg("--stop-below"), default=0.3,
                    help="end a block early when the drafter's probability of its token is below this (0 = off)")
+    p.add_argument("--pipeline", choices=PIPELINE_CHOICES, default="auto",
+                   help="pipelined rounds: draft each block's successor while the block is verified; auto = off in "
+                        "process, where both models share this machine's cores")
     p.add_argument("--draft-vocab", type=_int_arg("--draft-vocab", 0), default=DEFAULT_DRAFT_VOCAB,
                    help="the drafter drafts from its this many most frequent tokens only (its LM head is pruned "
                         f"to them: cheaper steps; lossless either way); 0 = all (default: {DEFAULT_DRAFT_VOCAB})")
@@ -258,7 +262,8 @@ def cmd_generate(a) -> int:
                              model_file=a.drafter_file,
                              quantize=getattr(a, "drafter_quantize", "auto"),
                              cpu_linear=getattr(a, "cpu_linear", None))
-    engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB))
+    engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB),
+                    pipeline=getattr(a, "pipeline", "auto"))
     prompt = a.prompt
     if a.chat:
         res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,

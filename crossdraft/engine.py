@@ -13,6 +13,7 @@ tests/unit/test_layout.py checks the layers). ``__all__`` is what users import f
 from __future__ import annotations
 
 from crossdraft.decoding.decode import Decoder
+from crossdraft.decoding.pipeline import pipeline_on
 from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB, DraftConfig
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.decoding.stats import GenerationResult, Stats
@@ -33,7 +34,7 @@ class Engine:
     """
 
     def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None,
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, pipeline: str = "auto"):
         self.target = target
         self.drafter = drafter
         self.pair = TokenPair(target.tokenizer, drafter.tokenizer if drafter is not None else None,
@@ -44,7 +45,8 @@ class Engine:
         self.verifier = VerifierWorker(target, cfg)
         self.drafter_worker = DrafterWorker(drafter, cfg) if drafter is not None else None
         self.decoder = Decoder(self.pair, self.verifier, self.drafter_worker, eos_ids=target.eos_token_ids,
-                               max_context=self.verifier.max_context, check_context=False)
+                               max_context=self.verifier.max_context, check_context=False,
+                               pipeline=pipeline_on(pipeline, colocated=True))
         if self.drafter_worker is not None:  # time the forwards now, not inside the first request
             self.verifier.timings()
             self.drafter_worker.timings()

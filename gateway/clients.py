@@ -148,10 +148,11 @@ class RemoteVerifier(_Remote):
                        verifier_pb2.ForkVerifierSessionRequest(source_session_id=src, session_id=dst))
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
-    def verify(self, sid, expect, drafts, q_rows, round_index, params, seed, top_logprobs: int = -1) -> VerifyReply:
+    def verify(self, sid, expect, drafts, q_rows, round_index, params, seed, top_logprobs: int = -1,
+               drop_last: bool = False) -> VerifyReply:
         """Verify the drafts on the verifier (one forward, lossless acceptance); see VerifierPort.verify."""
         req = verifier_pb2.VerifyRequest(session_id=sid, draft_token_ids=drafts, round_index=round_index,
-                                         params=wire.params_to_proto(params), seed=seed)
+                                         params=wire.params_to_proto(params), seed=seed, drop_last_token=drop_last)
         if top_logprobs >= 0:
             req.top_logprobs = top_logprobs
         if expect is not None:

@@ -33,6 +33,9 @@ class GatewayConfig:
     # verification; the draft-length policy prices a lone drafter under load by that): "auto" = both
     # addresses on this host's loopback or the same host, "yes", "no"
     colocated: str = "auto"
+    # pipelined rounds (crossdraft.decoding.pipeline): each block's successor is drafted while it is
+    # verified; "auto" = on where the drafter does not share the verifier's hardware (see colocated)
+    pipeline: str = "auto"
     # the drafter drafts from its this many most frequent tokens only (vocab.TokenPair); 0 = every token
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
     verifier_timeout_s: float = 120.0  # deadline of one Verify call

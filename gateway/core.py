@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from crossdraft.decoding.decode import Decoder
 from crossdraft.decoding.output import check_stop
+from crossdraft.decoding.pipeline import pipeline_on
 from crossdraft.errors import NotFound, Unavailable, check_int, check_session_id
 from crossdraft.vocab.pair import TokenPair
 
@@ -95,11 +96,11 @@ class Gateway:
                     raise Unavailable(why)
                 v = self.placement.client("verifier", v_addr)
                 d = self.placement.client("drafter", d_addr) if d_addr else None
+                co = colocated(self.cfg.colocated, v_addr, d_addr, self.placement.info)
                 dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
                                                     check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
-                                                    round_log=self.cfg.round_log,
-                                                    colocated=colocated(self.cfg.colocated, v_addr, d_addr,
-                                                                        self.placement.info))
+                                                    round_log=self.cfg.round_log, colocated=co,
+                                                    pipeline=pipeline_on(self.cfg.pipeline, co))
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------

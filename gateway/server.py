@@ -10,6 +10,7 @@ import threading
 import time
 
 from crossdraft.argtypes import float_arg, int_arg, port_arg
+from crossdraft.decoding.pipeline import PIPELINE_CHOICES
 from crossdraft.decoding.policy import DEFAULT_DRAFT_VOCAB
 from crossdraft.errors import CrossdraftError, InvalidArgument, Unavailable
 from crossdraft.serving.tls import TLSConfig
@@ -72,6 +73,10 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="whether the drafters compute on their verifiers' hardware (their steps then stall the "
                         "verification of every session; the draft-length policy prices drafting under load by it): "
                         "auto = both addresses on the loopback or the same host")
+    p.add_argument("--pipeline", choices=PIPELINE_CHOICES, default=_env("PIPELINE", "auto"),
+                   help="pipelined rounds: draft each block's successor while the block is verified (drafting off "
+                        "the critical path); auto = on where the drafter does not share the verifier's hardware "
+                        "(not --colocated) (env CROSSDRAFT_PIPELINE)")
     p.add_argument("--draft-vocab", type=int_arg("--draft-vocab", 0, env="CROSSDRAFT_DRAFT_VOCAB"),
                    default=str(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
                    help="the drafter drafts from its this many most frequent tokens only (by its tokenizer's merge "
@@ -169,6 +174,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("default_max_new_tokens", f"must be in [1, {a.max_new_tokens_limit}]")
     if a.colocated not in ("auto", "yes", "no"):  # argparse checks choices on the command line, not on env defaults
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
+    if a.pipeline not in PIPELINE_CHOICES:
+        raise InvalidArgument("pipeline", f"must be one of {', '.join(PIPELINE_CHOICES)}; got {a.pipeline!r}")
     tls = TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "", key_file=getattr(a, "tls_key_file", "") or "")
     tls.check_server(require_client_ca=False)
     upstream = TLSConfig(cert_file=getattr(a, "upstream_tls_cert_file", "") or "",
@@ -186,7 +193,7 @@ def config_from_args(a) -> GatewayConfig:
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
                          drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                         round_log=a.round_log, colocated=a.colocated, draft_vocab=a.draft_vocab,
+                         round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,

@@ -97,7 +97,10 @@ class Capture:
         self.drafts: list[DraftCall] = []
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._pending: dict[int, DraftCall] = {}  # thread -> its latest block not yet verified
+        # blocks drafted and not verified yet, oldest first: a round's block is the latest one drafted for
+        # its round index, on its own thread (serial rounds) or on any (pipelined rounds: drafted on a
+        # worker thread during the previous verification)
+        self._pending: list[DraftCall] = []
         cap = self
 
         verify_sampling = S.verify_sampling
@@ -113,9 +116,11 @@ class Capture:
             vc = VerifyCall(tid, list(sess.ids), list(drafts), params, seed, round_index)
             with cap._lock:
                 if drafts:
-                    vc.draft = cap._pending.pop(tid, None)
-                else:
-                    cap._pending.pop(tid, None)
+                    mine = [dc for dc in cap._pending if dc.round_index == round_index and dc.thread == tid]
+                    vc.draft = (mine or [dc for dc in cap._pending if dc.round_index == round_index] or [None])[-1]
+                # this thread's blocks up to this round are spent (verified, or dropped)
+                cap._pending = [dc for dc in cap._pending if not (dc.thread == tid and dc.round_index <= round_index)
+                                and dc is not vc.draft][-64:]
             cap._local.verify = vc
             try:
                 res = target_verify(sess, drafts, q_rows, round_index, params, seed, top_logprobs)
@@ -154,7 +159,7 @@ class Capture:
             it = draft_iter(sess, k, round_index, params, seed, allowed, *args, **kwargs)
             with cap._lock:
                 cap.drafts.append(dc)
-                cap._pending[tid] = dc
+                cap._pending.append(dc)
             while True:
                 cap._local.draws = dc.draws
                 try:

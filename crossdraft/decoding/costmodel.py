@@ -69,6 +69,10 @@ class CostModel:
         self.others: float | None = None
         self.peer_alpha: float | None = None
         self.colocated = True
+        # pipelined rounds (crossdraft.decoding.pipeline): a block accepted whole has the next one drafted
+        # during its verification -- the drafting is off the critical path, and the round's own token
+        # is not taken (the ready block checks that position)
+        self.pipelined = False
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
         # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
@@ -185,6 +189,8 @@ class CostModel:
         # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
         # against b tokens for v(b) (target-only); b = 1 is one session alone
         per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
+        if self.pipelined:
+            e, per = self._pipelined(k, a, e, b, c)
         if n >= b:
             return e * per
         alone = 1.0 + b * (self.agg(k, e, n, b, c) - 1.0) / n
@@ -195,6 +201,18 @@ class CostModel:
         if ep * per < self.need():
             return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
         return max(alone, (e + (b - 1.0) * ep) / b * per)
+
+    def _pipelined(self, k: int, a: float, e: float, b: float, c: float) -> tuple[float, float]:
+        """(tokens, tokens per target step per token) of a pipelined round of k at acceptance a: with
+        probability a^k the block is accepted whole, its successor was drafted while it was verified (the
+        drafting costs only what it outlasts the verification) and the round yields k tokens, not k + 1;
+        otherwise the next block is drafted after the verification, as in a serial round."""
+        sv = self.scale_v
+        v = sv * self.vcost(b * (k + 1))
+        dr = k * c * self.dcost(b)
+        whole = clamp_alpha(a) ** k
+        cost = v + (1.0 - whole) * dr + whole * max(0.0, dr - v)
+        return max(1e-6, e - whole), sv * self.vcost(b) / cost
 
     def stop_threshold(self, hi: int) -> float:
         """The cumulative drafter probability below which a confident block stops (blocks up to hi).

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,86 +26,23 @@ from crossdraft.decoding.costmodel import cost_ratio
 from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids
 from crossdraft.decoding.messages import Expect
 from crossdraft.decoding.output import Output, check_stop
+from crossdraft.decoding.pipeline import Pipelining
 from crossdraft.decoding.policy import DraftConfig, DraftPolicy
 from crossdraft.decoding.ports import DrafterPort, VerifierPort
+from crossdraft.decoding.request import Drafted, Request, Run
 from crossdraft.decoding.roundlog import RoundLog
 from crossdraft.decoding.sampling import SamplingParams
-from crossdraft.decoding.stats import GenerationResult, RoundEvent, Stats, draws_of
+from crossdraft.decoding.stats import RoundEvent, Stats, draws_of
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
 from crossdraft.vocab.pair import TokenPair
 
 
-class Run:
-    """An iterator of RoundEvents; ``result`` is set once it is exhausted."""
-
-    def __init__(self, gen):
-        self._gen = gen
-        self.result: GenerationResult | None = None
-        self.target_ids: list[int] = []
-        self.drafter_ids: list[int] | None = None
-        self.next_round: int = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> RoundEvent:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self._gen.close()
-
-
-@dataclass
-class _Request:
-    """One request's state in the round loop."""
-
-    sid: str
-    t_ids: list[int]
-    max_new_tokens: int
-    params: SamplingParams
-    seed: int
-    draft: DraftConfig
-    stats: Stats
-    spec: bool
-    d: DrafterState | None = None
-    mode: str = "tli"  # which drafter mask: "tli" or "text"
-    text_mode: bool = False
-    policy: DraftPolicy | None = None
-    step_s: float = 0.0  # measured seconds of one target decoding step (0.0 with static costs)
-    out: Output = field(default_factory=Output)
-    k: int = 0
-    first: bool = True
-    prev_drafted: bool = False
-
-    def remaining(self) -> int:
-        """Tokens the request may still generate."""
-        return self.max_new_tokens - len(self.out.gen)
-
-    def drafter_failed(self, e: Exception) -> None:
-        self.spec = False
-        reason = str(e)
-        if isinstance(e, InvalidArgument):  # e.g. its context is shorter, or its tokens more, than the target's
-            reason = f"the drafter refused the request ({reason})"
-        self.stats.drafter_fallback, self.stats.fallback_reason = True, reason
-
-
-@dataclass
-class _Drafted:
-    """What the drafting step of a round produced."""
-
-    tokens: list  # DraftTokens (drafter ids)
-    target_ids: list[int]  # the block in target ids
-    q_rows: list | None  # sampling: the drafter's distributions over target ids
-    seconds: float
-    healed: bytes = b""  # text mode: the drafter replaced its last id, whose bytes the block spells first
-
-
-class Decoder:
+class Decoder(Pipelining):
     """Speculative decoding over a verifier port and an optional drafter port."""
 
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
                  max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
-                 round_log: str | None = None, colocated: bool = True):
+                 round_log: str | None = None, colocated: bool = True, pipeline: bool = False):
         self.pair = pair
         self.verifier = verifier
         self.drafter = drafter if pair.drafter_tok is not None else None
@@ -124,10 +60,12 @@ class Decoder:
         # the verifier's load that a burst of new requests sees before any of their rounds has
         # reported it (_running), and what the others do (how many draft, their acceptance) is part
         # of what a block costs under load (CostModel.rate)
-        self._reqs: dict[int, _Request] = {}
+        self._reqs: dict[int, Request] = {}
         # whether the drafter computes on the verifier's hardware (its steps then stall every session's
         # verification): in process, or both servers on this host; the gateway's --colocated
         self.colocated = bool(colocated)
+        # pipelined rounds (crossdraft.decoding.pipeline): each block's successor is drafted while it is verified
+        self.pipeline = bool(pipeline)
         self._lock = threading.Lock()
         # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
         # rounds corrected them: a new request starts from there instead of from the cost tables
@@ -177,21 +115,27 @@ class Decoder:
         sc = draft.stop_cumulative
         confident = draft.adaptive and (sc > 0 if sc is not None else params.greedy)
         pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt, confident=confident)
+        pol.costs.pipelined = self.pipeline
         if pol.costs.measured:
             pol.resume(self._scales.get(mode), self._probes.get(mode))
         return pol, step_s
 
-    def _verify(self, req: _Request, drafted: _Drafted, round_index: int):
+    def _verify(self, req: Request, drafted: Drafted, round_index: int):
         top = req.out.top_logprobs
         kw = {"top_logprobs": top} if top >= 0 else {}  # ports without it still work
         args = (drafted.target_ids, drafted.q_rows, round_index, req.params, req.seed)
+        if req.drop_bonus:  # (pipelined) the verifier drops the previous round's own token first
+            req.drop_bonus = False
+            kw["drop_last"] = True
         try:
             return self.verifier.verify(req.sid, self._expect(req.t_ids), *args, **kw)
         except (NotFound, FailedPrecondition):
-            self.verifier.sync(req.sid, req.t_ids)  # the verifier lost or diverged from the session: rebuild
+            # the verifier lost or diverged from the session (or cannot drop a token): rebuild
+            kw.pop("drop_last", None)
+            self.verifier.sync(req.sid, req.t_ids)
             return self.verifier.verify(req.sid, self._expect(req.t_ids), *args, **kw)
 
-    def _draft(self, req: _Request, k: int, round_index: int, stop_cumulative: float, heal: bool):
+    def _draft(self, req: Request, k: int, round_index: int, stop_cumulative: float, heal: bool):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
         d, params, key = req.d, req.params, self.pair.keys[req.mode]
         kw = dict(k=k, round_index=round_index, params=params, seed=req.seed, stop_below=req.draft.stop_below,
@@ -212,7 +156,7 @@ class Decoder:
         d.sent = len(d.ids)
         return toks
 
-    def _sync_drafter(self, req: _Request) -> None:
+    def _sync_drafter(self, req: Request) -> None:
         """Give the drafter the session (its prompt, or the prompt and what was generated since)."""
         try:
             req.stats.reused_drafter_tokens, _ = self.drafter.sync(req.sid, req.d.ids)
@@ -251,14 +195,14 @@ class Decoder:
         stops = check_stop(stop)
         check_int("top_logprobs", top_logprobs, -1, 20)
         stats = Stats(prompt_tokens=len(target_ids), draws=draws_of(params))
-        req = _Request(sid, list(target_ids), max_new_tokens, params, seed, draft, stats,
+        req = Request(sid, list(target_ids), max_new_tokens, params, seed, draft, stats,
                        spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None,
                        out=Output(stop=tuple(x.encode("utf-8") for x in stops), top_logprobs=top_logprobs))
         run = Run(None)
         run._gen = self._rounds(run, req, round_start, round_scope)
         return run
 
-    def _start(self, req: _Request, round_index: int = 0) -> None:
+    def _start(self, req: Request, round_index: int = 0) -> None:
         """Sync both servers with the prompt; choose the drafting mode, the policy and the first block."""
         t0 = time.perf_counter()
         running0 = self._running
@@ -294,7 +238,7 @@ class Decoder:
                             "running_before_sync": running0, "running": self._running,
                             **{x: view[x] for x in ("load", "others_drafting", "alpha")}})
 
-    def _choose_mode(self, req: _Request) -> None:
+    def _choose_mode(self, req: Request) -> None:
         """A speculative request: its drafting mode (text for greedy decoding across vocabularies,
         else TLI), the drafter's mask for it, and its policy."""
         stats = req.stats
@@ -311,7 +255,7 @@ class Decoder:
             # itself was checked against the target, which is what decides the output)
             req.drafter_failed(e)
 
-    def _rounds(self, run: Run, req: _Request, round_index: int, round_scope):
+    def _rounds(self, run: Run, req: Request, round_index: int, round_scope):
         t_start = time.perf_counter()
         run.target_ids = req.t_ids
         run.drafter_ids = req.d.ids if req.d else None
@@ -322,8 +266,14 @@ class Decoder:
         finally:
             with self._lock:
                 self._reqs.pop(id(req), None)
+            if req.ahead is not None:  # a run closed mid-round: its drafter call ends before the session's next
+                try:
+                    req.ahead.wait()
+                except Exception:  # noqa: BLE001 -- its outcome no longer matters, only that it ended
+                    pass
+                req.ahead = None
 
-    def _loop(self, run: Run, req: _Request, round_index: int, round_scope, t_start: float):
+    def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
         while True:
             ev = None
@@ -352,12 +302,12 @@ class Decoder:
         """Requests in the round loop now."""
         return len(self._reqs)
 
-    def _unsettled(self, req: _Request) -> bool:
+    def _unsettled(self, req: Request) -> bool:
         """Whether another request in the loop has not finished its first round yet."""
         with self._lock:
             return any(r is not req and r.first for r in self._reqs.values())
 
-    def _peers(self, req: _Request) -> None:
+    def _peers(self, req: Request) -> None:
         """Measured costs: tell the request's policy what the other requests in this loop do now --
         how many draft (their next block is not empty) and their mean acceptance estimate -- and
         whether the drafter shares the verifier's hardware. Sessions of other gateways count as
@@ -371,20 +321,30 @@ class Decoder:
         pol.see_peers(float(sum(1 for r in others if r.k > 0)), peer_alpha, self.colocated)
 
     # ---- one round --------------------------------------------------------------------------------
-    def _round(self, req: _Request, round_index: int) -> RoundEvent:
+    def _round(self, req: Request, round_index: int) -> RoundEvent:
         """One round: draft -> verify -> learn -> emit -> the drafter's edit and the next k."""
         stats = req.stats
         remaining = req.remaining()
         kk = min(req.k, remaining - 1) if req.spec else 0
         t_round = time.perf_counter()
-        # 1. draft up to kk tokens (after the drafter's pending edit), in target ids
-        drafted = self._draft_step(req, kk, remaining, round_index)
-        draft_wall = time.perf_counter() - t_round
+        # 1. draft up to kk tokens (after the drafter's pending edit), in target ids -- unless the block
+        # was drafted during the previous verification (pipelined: its wait was on that round's path)
+        drafted, req.ready = req.ready, None
+        if drafted is not None and req.spec:
+            kk, draft_on_path = len(drafted.target_ids), 0.0
+        else:
+            drafted = self._draft_step(req, kk, remaining, round_index)
+            draft_on_path = drafted.seconds
+        draft_wall = time.perf_counter() - t_round if drafted.wall < 0 else drafted.wall
+        # (pipelined) the next block, drafted while this one is verified
+        req.ahead = self._draft_ahead(req, drafted, remaining, round_index) if self.pipeline else None
         # 2. verify them in one target forward: the accepted drafts and the target's own next token
         t_verify = time.perf_counter()
         res = self._verify(req, drafted, round_index)
         verify_wall = time.perf_counter() - t_verify
         kd, n = len(drafted.target_ids), res.num_accepted
+        ahead, req.ahead = req.ahead, None
+        following = self._take_ahead(req, ahead, kd, n, remaining) if ahead is not None else None
         # 3. what the round showed: the times, and for the policy the acceptance, the load and the costs
         if req.first:
             stats.prefill_s += res.forward_s
@@ -397,8 +357,11 @@ class Decoder:
         stats.record_round(kd, n)
         if req.spec and kd == 0 and remaining > 1:
             stats.skipped_rounds += 1
-        # 4. emit the accepted drafts and the target's token (cut at an EOS, a stop string or the budget)
-        out, text, done = req.out.emit(list(drafted.target_ids[:n]) + [res.next_token], self.eos,
+        # 4. emit the accepted drafts and the target's token (cut at an EOS, a stop string or the budget);
+        # pipelined, a block accepted whole with the next block ready emits no token of its own: the
+        # ready block starts at that position and the next round's verification decides it
+        own = [] if following is not None else [res.next_token]
+        out, text, done = req.out.emit(list(drafted.target_ids[:n]) + own, self.eos,
                                        self.pair.target_text_bytes, req.max_new_tokens)
         req.t_ids.extend(out)
         if req.out.stopped:
@@ -407,9 +370,14 @@ class Decoder:
         # 5. the drafter's ids for the next round (or the session's next turn) and the next block size
         if done and req.d is not None:
             req.d.restart_from(self.pair, bytes(req.out.gen_bytes))
-        if not done and req.spec:
+        if not done and req.spec and following is not None:
+            self._follow(req, drafted, following)
+        elif not done and req.spec:
             self._next_block(req, drafted, n, res.next_token)
-        overhead = time.perf_counter() - t_round - res.forward_s - drafted.seconds
+        # the round's time outside the model time on its critical path: the verification, the drafting
+        # done in this round, and the part of the block drafted ahead that the round waited for
+        on_path = draft_on_path + (ahead.on_path_s(following.seconds if following else 0.0) if ahead else 0.0)
+        overhead = time.perf_counter() - t_round - res.forward_s - on_path
         stats.overhead_s += overhead
         if self.log:
             self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall)
@@ -417,16 +385,16 @@ class Decoder:
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps)
 
-    def _draft_step(self, req: _Request, kk: int, remaining: int, round_index: int) -> _Drafted:
+    def _draft_step(self, req: Request, kk: int, remaining: int, round_index: int) -> Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""
         if kk <= 0:
-            return _Drafted([], [], None, 0.0)
+            return Drafted([], [], None, 0.0)
         t0 = time.perf_counter()
         toks: list = []
         if not req.d.synced:
             self._sync_drafter(req)
             if not req.spec:  # the drafter failed: the request goes on target-only
-                return _Drafted([], [], None, 0.0)
+                return Drafted([], [], None, 0.0)
         # token healing (text mode): the drafter may re-choose its last id, one the gateway's
         # re-encoding of the target's text chose (crossdraft.vocab.healing); only a generated one
         d = req.d
@@ -444,9 +412,9 @@ class Decoder:
         with_q = not req.params.greedy and not req.params.coupled  # coupled draws test no distribution
         drafts_t, q_rows = block_in_target_ids(self.pair, toks, healed, remaining - 1, req.text_mode, with_q)
         req.stats.draft_s += seconds
-        return _Drafted(toks, drafts_t, q_rows, seconds, healed)
+        return Drafted(toks, drafts_t, q_rows, seconds, healed)
 
-    def _learn(self, req: _Request, drafted: _Drafted, res, draft_wall: float, verify_wall: float) -> None:
+    def _learn(self, req: Request, drafted: Drafted, res, draft_wall: float, verify_wall: float) -> None:
         """Tell the request's policy what the round showed: its acceptance (the first block's too),
         what a drafted target token cost in drafter steps, and after the first round (whose times
         include the prefill) the load and the wall-clock times."""
@@ -483,7 +451,7 @@ class Decoder:
         if pol.costs.measured:
             self._scales[req.mode] = pol.scales()
 
-    def _next_block(self, req: _Request, drafted: _Drafted, n: int, next_token: int) -> None:
+    def _next_block(self, req: Request, drafted: Drafted, n: int, next_token: int) -> None:
         """Record the drafter's edit (what the round accepted, in drafter ids) and choose the next k."""
         d, proposals = req.d, [t.id for t in drafted.tokens]
         if req.text_mode:
@@ -495,7 +463,7 @@ class Decoder:
         if req.policy.costs.measured and drafted.target_ids:
             self._probes[req.mode] = req.policy.probe_record()
 
-    def _log_round(self, req: _Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
+    def _log_round(self, req: Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
                    verify_s: float) -> None:
         rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
                "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,

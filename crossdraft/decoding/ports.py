@@ -52,10 +52,13 @@ class ModelPort(Protocol):
 @runtime_checkable
 class VerifierPort(ModelPort, Protocol):
     def verify(self, sid: str, expect: "Expect | None", drafts: Sequence[int], q_rows: "Sequence[QRow] | None",
-               round_index: int, params: "SamplingParams", seed: int, top_logprobs: int = -1) -> "VerifyReply":
+               round_index: int, params: "SamplingParams", seed: int, top_logprobs: int = -1,
+               drop_last: bool = False) -> "VerifyReply":
         """One forward over the uncached tail + drafts; lossless acceptance; the cache keeps the
         accepted prefix. q_rows: one drafter distribution per draft (sampling), else None.
-        top_logprobs >= 0: the reply carries each emitted token's log-probability and the n best."""
+        top_logprobs >= 0: the reply carries each emitted token's log-probability and the n best.
+        drop_last: first drop the session's last id, the previous round's own token (pipelined rounds:
+        this block was drafted past the previous one); ``expect`` is the history after the drop."""
 
 
 @runtime_checkable

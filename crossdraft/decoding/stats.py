@@ -28,6 +28,10 @@ class Stats:
     resyncs: int = 0
     healed: int = 0  # text mode: blocks whose drafter re-chose its last id (token healing, crossdraft.vocab.healing)
     skipped_rounds: int = 0  # speculative rounds in which the policy drafted nothing (drafting did not pay)
+    # pipelined rounds: blocks drafted during the previous block's verification and verified next, and
+    # blocks drafted ahead but dropped (the previous block was not accepted whole)
+    pipelined_blocks: int = 0
+    dropped_blocks: int = 0
     cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
     # how each token was chosen: "greedy" (argmax), "coupled" (a function of (seed, position): the same
     # text with or without a drafter) or "rejection" (the classic accept/resample rule)

@@ -338,6 +338,15 @@ def dense_q(q_rows, k: int, vocab: int) -> torch.Tensor:
 class TargetSession(_ModelSession):
     """The target side of a round: one forward pass per block, lossless acceptance."""
 
+    def drop_last(self) -> None:
+        """Pipelined rounds: drop the last id (the previous round's own token, which no forward has fed):
+        the next block was drafted past the previous one and checks that position itself. The cache
+        then holds every id but the new last one, whose logits the next forward computes again."""
+        if len(self.ids) < 2:
+            raise FailedPrecondition(f"drop_last_token: the session holds {len(self.ids)} token(s)")
+        self.ids.pop()
+        self.truncate_cache(len(self.ids))
+
     def verify(self, drafts: list[int], q_rows, round_index: int, params: SamplingParams, seed: int,
                top_logprobs: int = -1) -> VerifyResult:
         """drafts: [k] target ids; q_rows: k sparse rows over target ids (None if greedy or k = 0).

@@ -291,6 +291,15 @@ class _Worker:
                 f"{what}: session holds {len(sess.ids)} tokens, caller expected {expect.length} "
                 "(or a different history)")
 
+    @staticmethod
+    def _check_dropping(sess, expect: Expect | None) -> None:
+        """drop_last_token: the session must hold the expected history plus one id (else nothing is
+        dropped and the caller re-syncs)."""
+        if expect is not None and (len(sess.ids) != expect.length + 1 or ids_crc32(sess.ids[:-1]) != expect.crc32):
+            raise FailedPrecondition(
+                f"verify: drop_last_token needs the expected {expect.length} tokens plus one; the session "
+                f"holds {len(sess.ids)} (or a different history)")
+
     def _check_len(self, n: int, field: str = "token_ids") -> None:
         """`field`: the request's field that made the history too long (errors name it)."""
         if self.max_context and n > self.max_context:
@@ -362,7 +371,9 @@ class VerifierWorker(_Worker):
         return TargetSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
     def verify(self, sid: str, expect: Expect | None, drafts, q_rows, round_index: int, params: SamplingParams,
-               seed: int, top_logprobs: int = -1) -> VerifyReply:
+               seed: int, top_logprobs: int = -1, drop_last: bool = False) -> VerifyReply:
+        """drop_last: first drop the session's last id (pipelined rounds: TargetSession.drop_last);
+        ``expect`` is the history after the drop."""
         drafts = _check_ids("draft_token_ids", drafts, self.vocab)
         _check_draws(round_index, seed)
         from crossdraft.runtime.sessions import MAX_TOP_LOGPROBS
@@ -372,6 +383,9 @@ class VerifierWorker(_Worker):
             raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (or -1: none), "
                                                   f"got {top_logprobs!r}")
         with self._using(sid) as (sess, _):
+            if drop_last:
+                self._check_dropping(sess, expect)
+                sess.drop_last()
             self._check(sess, expect, "verify")
             self._check_len(len(sess.ids) + len(drafts) + 1, "draft_token_ids")
             res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed, top_logprobs)

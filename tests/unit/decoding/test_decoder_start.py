@@ -372,7 +372,7 @@ def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch)
     """Each round tells the request's policy how many of the other running requests draft now
     (their next block is not empty) and their mean acceptance estimate; the one request itself is
     not counted, and requests without a drafter (or with static costs) are left out."""
-    from crossdraft.decoding.decode import _Request
+    from crossdraft.decoding.request import Request
 
     eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
     eng.decoder._ratio.clear()
@@ -382,8 +382,8 @@ def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch)
     for i, (k, alpha, spec) in enumerate(((3, 0.9, True), (0, 0.5, True), (2, 0.1, False))):
         p, _ = dec._policy("text", DraftConfig(), SamplingParams())
         p.acceptance.succ, p.acceptance.trials = alpha, 1.0
-        others.append(_Request(f"o{i}", [1], 8, SamplingParams(), 0, DraftConfig(), None, spec, policy=p, k=k))
-    me = _Request("me", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=pol, k=4)
+        others.append(Request(f"o{i}", [1], 8, SamplingParams(), 0, DraftConfig(), None, spec, policy=p, k=k))
+    me = Request("me", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=pol, k=4)
     dec._reqs = {id(r): r for r in [*others, me]}
     try:
         dec._peers(me)
@@ -391,7 +391,7 @@ def test_a_round_prices_what_the_other_requests_in_the_loop_do(eng, monkeypatch)
         dec._reqs = {}
     assert pol.costs.others == 1.0 and pol.costs.peer_alpha == pytest.approx(0.7) and pol.costs.colocated
     static, _ = dec._policy("text", DraftConfig(cost_model="static"), SamplingParams())
-    dec._peers(_Request("s", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=static))
+    dec._peers(Request("s", [1], 8, SamplingParams(), 0, DraftConfig(), None, True, policy=static))
     assert static.costs.others is None  # static costs: the rule that depends on the generated tokens only
 
 
@@ -422,14 +422,14 @@ def test_a_request_that_starts_in_a_burst_waits_one_round_for_the_load_to_settle
     """Another request in the loop that has not had its first round yet (a burst arriving): the
     load is still climbing, so the new request starts target-only -- no prompt for the drafter, no
     first block -- and the end of its first round prices drafting (here alone again: it drafts)."""
-    from crossdraft.decoding.decode import _Request
+    from crossdraft.decoding.request import Request
 
     eng.drafter_worker._timings = [0.2 * x for x in eng.verifier.timings()]  # a drafter that could pay
     eng.decoder._ratio.clear()
     ref = eng.generate(PROMPT, max_new_tokens=16, use_drafter=False)
     dec = eng.decoder
     t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
-    arriving = _Request("arriving", [1], 8, SamplingParams(), 0, DraftConfig(), None, True)  # first round pending
+    arriving = Request("arriving", [1], 8, SamplingParams(), 0, DraftConfig(), None, True)  # first round pending
     run = dec.run("burst", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0, draft=DraftConfig())
     it = iter(run)
     dec._reqs[id(arriving)] = arriving

@@ -1,0 +1,173 @@
+"""Pipelined rounds: the next block is drafted while the verifier checks this one.
+
+A serial round drafts a block, then verifies it: each model waits while the other computes. A
+pipelined round sends its block to the verifier and, at the same moment, asks the drafter for the
+block after it, drafted on the assumption that this block is accepted whole (the drafter continues
+from its own proposals). When the verification accepts the whole block, the next block is ready and
+goes to the verifier at once; the target's own token of the finished round (the "bonus" token) is
+not emitted, since the ready block starts at that position and checks it -- the target still
+decides that position, through the next round's acceptance rule, so the output keeps the target's
+distribution (greedy: the same tokens). The next Verify asks the verifier to drop that token
+(``drop_last``). When the block is rejected at some position, the block drafted ahead is dropped and
+the drafter rolls it back with the next edit (its keys and values past the kept prefix are cut).
+
+Whether dropping or taking the bonus token depends only on whether the block was accepted whole
+and whether the block ahead is ready, never on the bonus token's value: that is why the rule stays
+lossless for rejection sampling, coupled draws and greedy decoding alike.
+
+:class:`Ahead` is one block drafted ahead (a call on a worker thread); :func:`can_draft_ahead` says
+whether a round's block can have a successor drafted before its outcome is known.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from crossdraft.decoding.drafter_view import block_in_target_ids
+from crossdraft.decoding.request import Drafted, Request
+from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from crossdraft.vocab.pair import TokenPair
+
+# one worker thread per session drafting ahead at once: a gateway's sessions each have at most one
+# block in flight ahead of their verification
+MAX_AHEAD_THREADS = 256
+
+PIPELINE_CHOICES = ("auto", "on", "off")
+
+
+def pipeline_on(setting: str, colocated: bool) -> bool:
+    """``--pipeline``: "on", "off", or "auto" -- on where the drafter computes on hardware of its own
+    (drafting ahead on the verifier's cores takes their time from the verification it overlaps)."""
+    if setting not in PIPELINE_CHOICES:
+        raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_CHOICES)}; got {setting!r}")
+    return setting == "on" or (setting == "auto" and not colocated)
+
+
+class Ahead:
+    """One block drafted ahead: the drafter call runs on a worker thread (in the caller's context, so
+    its trace span is a child of the round's) while the caller verifies."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, call, proposals: list[int], position: int, round_index: int):
+        self.proposals = list(proposals)  # the drafter ids the block ahead continues from (this block's)
+        self.position = position  # the target position of its first token
+        self.round_index = round_index  # the round that verifies it
+        self.t_start = time.perf_counter()
+        self.t_end = 0.0
+        self.waited_s = 0.0  # how long the caller blocked on it after its verification came back
+        ctx = contextvars.copy_context()
+        self._future: Future = self._executor().submit(ctx.run, self._timed, call)
+
+    @classmethod
+    def _executor(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(max_workers=MAX_AHEAD_THREADS, thread_name_prefix="draft-ahead")
+            return cls._pool
+
+    def _timed(self, call):
+        try:
+            return call()
+        finally:
+            self.t_end = time.perf_counter()
+
+    def wait(self):
+        """The drafted tokens (DraftTokens); raises what the drafter call raised. Records how long the
+        caller waited."""
+        t0 = time.perf_counter()
+        try:
+            return self._future.result()
+        finally:
+            self.waited_s = time.perf_counter() - t0
+
+    def on_path_s(self, model_s: float) -> float:
+        """The part of this block's drafter time on the round's critical path: the caller's wait for it,
+        at most the drafter's own forward time (the rest of the wait is the drafter's overhead)."""
+        return min(self.waited_s, model_s)
+
+
+def can_draft_ahead(pair: TokenPair, proposals: list[int], target_ids: list[int], healed: bytes, text_mode: bool,
+                    eos: set[int], remaining: int) -> bool:
+    """Whether a block can have its successor drafted before it is verified: it ends no output (no EOS
+    in it, and at least two tokens of the budget left after it: one for the block ahead, and the
+    round's own token when that block is dropped), and its target ids spell exactly the drafter's
+    proposals (TLI: one target id per proposal; text mode: the same bytes, not cut short by the budget
+    or by bytes the target cannot spell), so that accepting it whole leaves both sides on the same text.
+    """
+    if not proposals or not target_ids or remaining - len(target_ids) < 2:
+        return False
+    if any(t in eos for t in target_ids):
+        return False
+    if not text_mode:
+        return len(target_ids) == len(proposals)
+    drafted = b"".join(pair.d_bytes[x] for x in proposals)
+    return drafted.startswith(healed) and pair.target_text_bytes(target_ids) == drafted[len(healed):]
+
+
+class Pipelining:
+    """The round loop's pipelined steps (mixed into :class:`crossdraft.decoding.decode.Decoder`, whose
+    ports, vocabulary pair and policy helpers they use)."""
+
+    def _draft_ahead(self, req: Request, drafted: Drafted, remaining: int, round_index: int) -> Ahead | None:
+        """Start drafting the block after this one, as if this one were accepted whole (None where it
+        cannot be: see can_draft_ahead, or the policy drafts no next block)."""
+        if not req.spec or req.k <= 0 or not drafted.tokens or req.policy is None:
+            return None
+        proposals = [t.id for t in drafted.tokens]
+        kd = len(drafted.target_ids)
+        if not can_draft_ahead(self.pair, proposals, drafted.target_ids, drafted.healed, req.text_mode, self.eos,
+                               remaining):
+            return None
+        d, params = req.d, req.params
+        kw = dict(k=min(req.k, remaining - kd - 1, 64), round_index=round_index + 1, params=params, seed=req.seed,
+                  stop_below=req.draft.stop_below, allowed_key=self.pair.keys[req.mode],
+                  timeout_s=self.drafter_timeout_s)
+        sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
+        if sc > 0:
+            kw["stop_cumulative"] = sc
+        position = len(req.t_ids) + kd
+        if params.coupled:
+            kw["position"] = position
+        # the drafter holds d.ids (and this block's proposals in its cache): the edit commits them
+        edit, expect = (len(d.ids), proposals), self._expect(d.ids + proposals)
+        sid, drafter = req.sid, self.drafter
+        return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1)
+
+    def _take_ahead(self, req: Request, ahead: Ahead, kd: int, n: int, remaining: int) -> "Drafted | None":
+        """Wait for the block drafted ahead; it is the next block if this one was accepted whole, else it
+        is dropped (the drafter's next edit cuts it from its cache)."""
+        try:
+            toks = ahead.wait()
+        except (Unavailable, ResourceExhausted, InvalidArgument) as e:
+            req.drafter_failed(e)  # the request goes on target-only, as when a serial draft fails
+            return None
+        except (NotFound, FailedPrecondition):  # the drafter lost the session: the next draft re-syncs it
+            req.stats.dropped_blocks += 1
+            return None
+        seconds = sum(t.forward_s for t in toks)
+        req.stats.draft_s += seconds
+        with_q = not req.params.greedy and not req.params.coupled
+        drafts_t, q_rows = (block_in_target_ids(self.pair, toks, b"", remaining - kd - 1, req.text_mode, with_q)
+                            if n == kd and toks and req.spec else ([], None))
+        if not drafts_t:
+            req.stats.dropped_blocks += 1
+            return None
+        return Drafted(toks, drafts_t, q_rows, seconds, wall=max(0.0, ahead.t_end - ahead.t_start))
+
+    def _follow(self, req: Request, drafted: Drafted, following: Drafted) -> None:
+        """The block was accepted whole and the next one is ready: the drafter's view takes this block's
+        proposals (the call that drafted ahead applied that edit), the verifier drops the round's own
+        token with the next Verify, and the policy chooses the block after the ready one."""
+        d, proposals = req.d, [t.id for t in drafted.tokens]
+        d.edit(len(d.ids), proposals)
+        d.gen_lens.extend(len(self.pair.d_bytes[t]) for t in proposals)
+        d.sent = len(d.ids)
+        req.ready, req.drop_bonus = following, True
+        req.stats.pipelined_blocks += 1
+        self._peers(req)
+        req.k = req.policy.next_k(req.remaining(), d.unfed())

@@ -1,0 +1,258 @@
+"""Pipelined rounds (crossdraft.decoding.pipeline): the next block is drafted while this one is verified.
+
+Tiny random models in process (the round loop is the gateway's; the ports are the model workers,
+wrapped where a test counts or orders their calls). The drafter of the same-vocabulary pair is the
+target plus noise, so most blocks are accepted whole (the pipelined path) and some are not (the
+dropped path). Block sizes are fixed (no adaptive policy), so a run's rounds do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from crossdraft.decoding import pipeline as P
+from crossdraft.decoding.costmodel import CostModel
+from crossdraft.decoding.pipeline import pipeline_on
+from crossdraft.decoding.sampling import SamplingParams
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.errors import FailedPrecondition
+from crossdraft.runtime import sessions as SS
+from tests import exact
+from tests.tiny_models import tiny_lm
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "import numpy as np\n\nclass Model:"]
+FIXED = DraftConfig(num_draft_tokens=3, adaptive=False)
+
+
+@pytest.fixture(scope="module")
+def close_pair(tok_t):
+    """A target without EOS (every run generates its whole budget) and a drafter = target + noise."""
+    target = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7, head_scale=8.0, with_eos=False)
+    drafter = copy.deepcopy(target)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for prm in drafter.model.parameters():
+            prm.add_(0.25 * prm.std() * torch.randn_like(prm))
+    return target, drafter
+
+
+@pytest.fixture()
+def close(close_pair, tmp_path_factory):
+    return Engine(*close_pair, vocab_cache_dir=tmp_path_factory.mktemp("vocab"), pipeline="on")
+
+
+@pytest.fixture(scope="module")
+def cross(target, tok_d, tmp_path_factory):
+    """Two vocabularies (TLI and text mode)."""
+    return Engine(target, tiny_lm(tok_d, seed=2), vocab_cache_dir=tmp_path_factory.mktemp("vocab"), pipeline="on")
+
+
+class Counting:
+    """A port that counts the calls the round loop makes (and their arguments)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.syncs = 0
+        self.calls: list[dict] = []
+
+    def sync(self, sid, ids, *a, **kw):
+        self.syncs += 1
+        return self.inner.sync(sid, ids, *a, **kw)
+
+    def verify(self, *a, **kw):
+        self.calls.append(dict(kw, round_index=a[4]))
+        return self.inner.verify(*a, **kw)
+
+    def draft(self, *a, **kw):
+        self.calls.append(dict(kw, thread=threading.current_thread().name))
+        return self.inner.draft(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _gen(eng, prompt, pipeline: bool, **kw):
+    eng.decoder.pipeline = pipeline
+    kw.setdefault("draft", FIXED)
+    return eng.generate(prompt, max_new_tokens=kw.pop("max_new_tokens", 40), **kw)
+
+
+def test_pipeline_setting():
+    assert pipeline_on("on", colocated=True) and not pipeline_on("off", colocated=False)
+    assert pipeline_on("auto", colocated=False) and not pipeline_on("auto", colocated=True)
+    with pytest.raises(ValueError, match="pipeline"):
+        pipeline_on("yes", colocated=False)
+
+
+def test_greedy_is_token_identical_pipelined_same_vocabulary(close):
+    """Pipelined, serial and target-only give the same tokens; both pipelined paths ran."""
+    pipelined = dropped = 0
+    for prompt in PROMPTS:
+        ref = close.generate(prompt, max_new_tokens=40, use_drafter=False)
+        serial = _gen(close, prompt, False)
+        piped = _gen(close, prompt, True)
+        assert serial.token_ids == ref.token_ids
+        assert piped.token_ids == ref.token_ids
+        assert serial.stats.pipelined_blocks == serial.stats.dropped_blocks == 0
+        pipelined += piped.stats.pipelined_blocks
+        dropped += piped.stats.dropped_blocks
+        # a block accepted whole takes no token of its own: fewer rounds than blocks' tokens + 1 each
+        assert piped.stats.new_tokens == piped.stats.accepted + piped.stats.rounds - piped.stats.pipelined_blocks
+    assert pipelined > 0 and dropped > 0
+
+
+@pytest.mark.parametrize("mode", ["tli", "text"])
+def test_greedy_is_token_identical_pipelined_across_vocabularies(cross, mode):
+    ahead = 0
+    for prompt in PROMPTS:
+        ref = cross.generate(prompt, max_new_tokens=32, use_drafter=False)
+        out = _gen(cross, prompt, True, max_new_tokens=32, draft=DraftConfig(num_draft_tokens=2, adaptive=False,
+                                                                             mode=mode))
+        assert out.token_ids == ref.token_ids
+        assert out.stats.draft_mode == mode
+        ahead += out.stats.pipelined_blocks + out.stats.dropped_blocks
+    assert ahead > 0  # blocks were drafted ahead in this mode
+
+
+def test_the_next_block_is_drafted_while_this_one_is_verified(close, monkeypatch):
+    """Work ordering, not clocks: each Verify with a block drafted ahead of it waits until that
+    drafter call has finished -- which only a drafter call running during the Verify can do."""
+    made: dict[int, threading.Event] = {}  # round index -> set when the block drafted ahead for it is done
+
+    class Recorded(P.Ahead):
+        def __init__(self, call, proposals, position, round_index):
+            done = made.setdefault(round_index, threading.Event())
+
+            def run():
+                try:
+                    return call()
+                finally:
+                    done.set()
+            super().__init__(run, proposals, position, round_index)
+
+    monkeypatch.setattr(P, "Ahead", Recorded)
+    verifier = close.decoder.verifier
+    overlapped: list[bool] = []
+
+    class Ordering(Counting):
+        def verify(self, *a, **kw):
+            ev = made.get(a[4] + 1)
+            if ev is not None:  # this round drafted its successor: it must finish before this Verify does
+                overlapped.append(ev.wait(timeout=60))
+            return super().verify(*a, **kw)
+
+    close.decoder.verifier = Ordering(verifier)
+    out = _gen(close, PROMPTS[0], True)
+    assert overlapped and all(overlapped)
+    assert len(overlapped) == out.stats.pipelined_blocks + out.stats.dropped_blocks
+
+
+def test_dropped_blocks_roll_back_without_a_resync(close, monkeypatch):
+    """A block drafted ahead of a block that is not accepted whole is cut from the drafter's cache by
+    the next edit: no re-sync of either server, no cache repair, the verifier drops its own token of
+    each pipelined round through Verify alone."""
+    close.decoder.check = True  # each call states the history it expects (as the gateway does)
+    repairs: list[int] = []  # per session closed: forwards that found its cache out of step with its ids
+    close_session = SS._ModelSession.close
+    monkeypatch.setattr(SS._ModelSession, "close", lambda s: (repairs.append(s.cache_repairs), close_session(s)))
+    d, v = Counting(close.drafter_worker), Counting(close.verifier)
+    close.decoder.drafter, close.decoder.verifier = d, v
+    out = _gen(close, PROMPTS[2], True, max_new_tokens=48)
+    assert out.stats.dropped_blocks > 0 and out.stats.pipelined_blocks > 0
+    assert d.syncs == 1 and v.syncs == 1
+    verifies = [c for c in v.calls if "round_index" in c and "k" not in c]
+    assert sum(1 for c in verifies if c.get("drop_last")) == out.stats.pipelined_blocks
+    ahead = [c for c in d.calls if c["thread"].startswith("draft-ahead")]
+    assert len(ahead) == out.stats.pipelined_blocks + out.stats.dropped_blocks
+    assert repairs == [0, 0]  # the request's session on each server
+
+
+def test_a_verifier_without_drop_last_is_resynced(close):
+    """An older verifier ignores drop_last_token and finds the history one token longer than the
+    caller states: FAILED_PRECONDITION, a re-sync, the same tokens."""
+    close.decoder.check = True
+    inner = close.verifier
+
+    class Old(Counting):
+        def verify(self, *a, **kw):
+            kw.pop("drop_last", None)
+            return super().verify(*a, **kw)
+
+    old = Old(inner)
+    close.decoder.verifier = old
+    ref = close.generate(PROMPTS[1], max_new_tokens=40, use_drafter=False)
+    out = _gen(close, PROMPTS[1], True)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.pipelined_blocks > 0
+    assert old.syncs == 2 + out.stats.pipelined_blocks  # the two requests' starts, one per dropped token
+
+
+def test_drop_last_checks_the_history(close):
+    w = close.verifier
+    ids = list(close.target.tokenizer(PROMPTS[0])["input_ids"])
+    w.sync("s", ids)
+    r = w.verify("s", None, [], None, 0, SamplingParams(), 0)
+    from crossdraft.decoding.messages import Expect
+
+    with pytest.raises(FailedPrecondition, match="drop_last_token"):
+        w.verify("s", Expect.of(ids[:-1]), [5], None, 1, SamplingParams(), 0, drop_last=True)
+    assert w.sync("s", ids + [r.next_token])[1] == Expect.of(ids + [r.next_token])  # unchanged
+    again = w.verify("s", Expect.of(ids), [r.next_token], None, 1, SamplingParams(), 0, drop_last=True)
+    assert again.num_accepted == 1  # the dropped token is checked again at its position
+
+
+def test_sampling_pipelined_is_exactly_lossless(close, monkeypatch):
+    """Every recorded round (drafted serially or ahead) is exact (tests/exact.py): the verifier's p rows
+    are target-only's for the history, each draft a sample of the distribution it shipped, each
+    position's emission distributed as the target's."""
+    cap = exact.Capture(monkeypatch)
+    params = SamplingParams(temperature=1.0)
+    piped = 0
+    for seed in range(3):
+        out = _gen(close, PROMPTS[0], True, max_new_tokens=16, params=params, seed=seed)
+        piped += out.stats.pipelined_blocks
+    assert piped > 0
+    report = exact.check_rounds(cap, close.target.model, close.pair.d2t, close.drafter.model, limit=24)
+    assert any(0 < a < 1 for a in report.accept_mass)
+
+
+def test_coupled_draws_give_the_same_text_pipelined(close):
+    params = SamplingParams(temperature=0.8, coupled=True)
+    ref = close.generate(PROMPTS[0], max_new_tokens=40, params=params, seed=11, use_drafter=False)
+    serial = _gen(close, PROMPTS[0], False, params=params, seed=11)
+    piped = _gen(close, PROMPTS[0], True, params=params, seed=11)
+    assert serial.token_ids == ref.token_ids == piped.token_ids
+    assert piped.stats.pipelined_blocks > 0
+
+
+def test_stop_strings_and_logprobs_pipelined(close):
+    ref = close.generate(PROMPTS[0], max_new_tokens=40, use_drafter=False, top_logprobs=2)
+    text = ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    piped = _gen(close, PROMPTS[0], True, top_logprobs=2)
+    assert piped.token_ids == ref.token_ids
+    assert [lp[0] for lp in piped.logprobs] == pytest.approx([lp[0] for lp in ref.logprobs], abs=1e-4)
+    cut_ref = close.generate(PROMPTS[0], max_new_tokens=40, use_drafter=False, stop=[stop])
+    cut = _gen(close, PROMPTS[0], True, stop=[stop])
+    assert cut.text == cut_ref.text and cut.stats.finish_reason == "stop"
+
+
+def test_pipelined_rounds_price_drafting_off_the_critical_path():
+    """The cost model's rate for a pipelined round: a block accepted whole hides its successor's
+    drafting behind its verification (so a likely-accepted block costs about its verification alone)
+    and yields no token of its own (so a hopeless block gains nothing from pipelining)."""
+    serial = CostModel(cost_ratio=0.5)
+    piped = CostModel(cost_ratio=0.5)
+    piped.pipelined = True
+    assert piped.rate(4, 0.95) > serial.rate(4, 0.95)
+    assert piped.rate(4, 0.05) <= serial.rate(4, 0.05) + 1e-9
+    # a drafter as slow as the whole verification: at full acceptance the round costs the drafting
+    slow = CostModel(cost_ratio=5.0)
+    slow.pipelined = True
+    # (tokens / drafting time: 2 tokens for 2 drafter steps of 5 target steps; the acceptance estimate
+    # is clamped below 1, hence the tolerance)
+    assert slow.rate(2, 0.999) == pytest.approx(2 * slow.vcost(1) / (2 * 5.0), rel=0.03)
