@@ -52,7 +52,7 @@ class Proc:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
         self.name, self.args = name, args
         self.log_path = log_dir / f"{name}.log"
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.p = None
 
     def start(self) -> "Proc":
