@@ -216,8 +216,10 @@ class RemoteDrafter(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
-              stop_cumulative=0.0, heal=False, position=-1):
-        """Apply the edit, then collect the up to k draft tokens the drafter streams back."""
+              stop_cumulative=0.0, heal=False, position=-1, cancel=None):
+        """Apply the edit, then collect the up to k draft tokens the drafter streams back. cancel: a
+        threading.Event; once it is set the stream is cancelled after the token in flight (the drafter
+        stops that block: DrafterWorker.draft_iter)."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
                                        allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal,
@@ -241,6 +243,10 @@ class RemoteDrafter(_Remote):
                         q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
                         toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
                                                heals=t.heals and not toks))
+                    if cancel is not None and cancel.is_set():
+                        stream.cancel()
+                        span.set_attribute("crossdraft.cancelled", True)
+                        break
             except grpc.RpcError as e:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
                 raise _convert(e, self.who, self.address) from None

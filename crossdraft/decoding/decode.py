@@ -267,6 +267,7 @@ class Decoder(Pipelining):
             with self._lock:
                 self._reqs.pop(id(req), None)
             if req.ahead is not None:  # a run closed mid-round: its drafter call ends before the session's next
+                req.ahead.cancel()
                 try:
                     req.ahead.wait()
                 except Exception:  # noqa: BLE001 -- its outcome no longer matters, only that it ended

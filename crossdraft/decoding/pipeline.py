@@ -53,10 +53,12 @@ class Ahead:
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
-    def __init__(self, call, proposals: list[int], position: int, round_index: int):
+    def __init__(self, call, proposals: list[int], position: int, round_index: int,
+                 cancel: threading.Event | None = None):
         self.proposals = list(proposals)  # the drafter ids the block ahead continues from (this block's)
         self.position = position  # the target position of its first token
         self.round_index = round_index  # the round that verifies it
+        self.cancelled = cancel if cancel is not None else threading.Event()  # the drafter call's cancel
         self.t_start = time.perf_counter()
         self.t_end = 0.0
         self.waited_s = 0.0  # how long the caller blocked on it after its verification came back
@@ -75,6 +77,11 @@ class Ahead:
             return call()
         finally:
             self.t_end = time.perf_counter()
+
+    def cancel(self) -> None:
+        """The block is not needed (the one before it was rejected): the drafter stops after the token in
+        progress, so the next block's Draft does not queue behind the rest of this one."""
+        self.cancelled.set()
 
     def wait(self):
         """The drafted tokens (DraftTokens); raises what the drafter call raised. Records how long the
@@ -123,10 +130,10 @@ class Pipelining:
         if not can_draft_ahead(self.pair, proposals, drafted.target_ids, drafted.healed, req.text_mode, self.eos,
                                remaining):
             return None
-        d, params = req.d, req.params
+        d, params, cancel = req.d, req.params, threading.Event()
         kw = dict(k=min(req.k, remaining - kd - 1, 64), round_index=round_index + 1, params=params, seed=req.seed,
                   stop_below=req.draft.stop_below, allowed_key=self.pair.keys[req.mode],
-                  timeout_s=self.drafter_timeout_s)
+                  timeout_s=self.drafter_timeout_s, cancel=cancel)
         sc = req.policy.cumulative_stop() if req.policy.confident or req.draft.stop_cumulative else 0.0
         if sc > 0:
             kw["stop_cumulative"] = sc
@@ -136,11 +143,13 @@ class Pipelining:
         # the drafter holds d.ids (and this block's proposals in its cache): the edit commits them
         edit, expect = (len(d.ids), proposals), self._expect(d.ids + proposals)
         sid, drafter = req.sid, self.drafter
-        return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1)
+        return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1, cancel)
 
     def _take_ahead(self, req: Request, ahead: Ahead, kd: int, n: int, remaining: int) -> "Drafted | None":
         """Wait for the block drafted ahead; it is the next block if this one was accepted whole, else it
         is dropped (the drafter's next edit cuts it from its cache)."""
+        if n < kd or not req.spec:
+            ahead.cancel()
         try:
             toks = ahead.wait()
         except (Unavailable, ResourceExhausted, InvalidArgument) as e:

@@ -70,8 +70,10 @@ class DrafterPort(ModelPort, Protocol):
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
               timeout_s: float | None = None, stop_cumulative: float = 0.0,
-              heal: bool = False, position: int = -1) -> "list[DraftToken]":
+              heal: bool = False, position: int = -1, cancel=None) -> "list[DraftToken]":
         """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
         early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
         the session's last id (crossdraft.vocab.healing); a first token with ``heals`` replaced it.
-        position: the target-side position of the first proposal (coupled draws; -1 = unknown)."""
+        position: the target-side position of the first proposal (coupled draws; -1 = unknown).
+        cancel: a threading.Event (pipelined rounds); once it is set the block ends after the token in
+        progress, and the drafter stops drafting it."""

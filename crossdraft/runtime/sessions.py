@@ -194,6 +194,9 @@ class _ModelSession:
         self.fed: list[int] = []
         self.cache_repairs = 0  # forwards that found the cache out of step with ids (a bug if ever > 0)
         self.closed = False
+        # bumped by each call that edits the history (a drafter's Draft or Commit): the block of an
+        # earlier Draft whose stream was cancelled stops instead of feeding proposals past the new history
+        self.calls = 0
 
     @property
     def cache(self):

@@ -476,6 +476,7 @@ class DrafterWorker(_Worker):
     def commit(self, sid: str, edit, expect: Expect | None) -> Expect:
         with self._using(sid) as (sess, _):
             self._edit(sess, edit, expect)
+            sess.calls += 1
             return Expect.of(sess.ids)
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
@@ -502,12 +503,16 @@ class DrafterWorker(_Worker):
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
                                  heal=self.token_bytes() if heal else None, position=position)
+            sess.calls += 1
+            mine = sess.calls
         # the session is held per token, never across a yield: a consumer that stops reading (a
-        # cancelled stream) blocks nothing
+        # cancelled stream) blocks nothing, and a later call on the session ends this block
         while True:
             with self._using(sid) as (now, _):
                 if now is not sess:
                     raise FailedPrecondition(f"session {sid!r} was replaced while drafting")
+                if now.calls != mine:
+                    return
                 tok = next(it, None)
             if tok is None:
                 return
@@ -515,11 +520,17 @@ class DrafterWorker(_Worker):
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
-              stop_cumulative: float = 0.0, heal: bool = False, position: int = -1) -> list[DraftToken]:
+              stop_cumulative: float = 0.0, heal: bool = False, position: int = -1, cancel=None) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
-        drafters: in process there is no wire to wait on)."""
-        return list(self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
-                                    stop_cumulative, heal, position))
+        drafters: in process there is no wire to wait on). cancel: a threading.Event; once it is set the
+        block ends after the token in progress."""
+        toks = []
+        for tok in self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
+                                   stop_cumulative, heal, position):
+            toks.append(tok)
+            if cancel is not None and cancel.is_set():
+                break
+        return toks
 
 
 __all__ = ["DrafterWorker", "Expect", "ModelSessionCache", "VerifierWorker", "VerifyReply", "WorkerConfig", "ids_crc32"]

@@ -124,7 +124,7 @@ def test_the_next_block_is_drafted_while_this_one_is_verified(close, monkeypatch
     made: dict[int, threading.Event] = {}  # round index -> set when the block drafted ahead for it is done
 
     class Recorded(P.Ahead):
-        def __init__(self, call, proposals, position, round_index):
+        def __init__(self, call, proposals, position, round_index, cancel=None):
             done = made.setdefault(round_index, threading.Event())
 
             def run():
@@ -132,7 +132,7 @@ def test_the_next_block_is_drafted_while_this_one_is_verified(close, monkeypatch
                     return call()
                 finally:
                     done.set()
-            super().__init__(run, proposals, position, round_index)
+            super().__init__(run, proposals, position, round_index, cancel)
 
     monkeypatch.setattr(P, "Ahead", Recorded)
     verifier = close.decoder.verifier
@@ -169,6 +169,51 @@ def test_dropped_blocks_roll_back_without_a_resync(close, monkeypatch):
     ahead = [c for c in d.calls if c["thread"].startswith("draft-ahead")]
     assert len(ahead) == out.stats.pipelined_blocks + out.stats.dropped_blocks
     assert repairs == [0, 0]  # the request's session on each server
+
+
+def test_a_rejected_blocks_successor_stops_drafting(close, monkeypatch):
+    """Work counting: the drafter call for the block after a rejected one is cancelled, so it stops
+    after the token in progress instead of drafting its whole block. Each call drafting ahead is held
+    after its first token until the round loop has the verification's outcome (and has cancelled it or
+    not): a cancelled call then returns at most 2 tokens (1 if the cancel came before its first token
+    was drafted; else that one and the one drafted when it was released), a kept one its whole block."""
+    released: dict[int, threading.Event] = {}
+    cancelled: dict[int, bool] = {}
+    wait = P.Ahead.wait
+
+    def wait_released(self):
+        cancelled[self.round_index] = self.cancelled.is_set()
+        released.setdefault(self.round_index, threading.Event()).set()
+        return wait(self)
+
+    monkeypatch.setattr(P.Ahead, "wait", wait_released)
+    draft_iter = close.drafter_worker.draft_iter
+
+    def held(sid, edit, expect, k, round_index, *a, **kw):
+        for i, tok in enumerate(draft_iter(sid, edit, expect, k, round_index, *a, **kw)):
+            yield tok
+            if i == 0 and threading.current_thread().name.startswith("draft-ahead"):
+                assert released.setdefault(round_index, threading.Event()).wait(60)
+
+    monkeypatch.setattr(close.drafter_worker, "draft_iter", held)
+    sizes: dict[int, tuple[int, int]] = {}  # round index -> (k asked, tokens returned) of each call drafting ahead
+    inner = close.drafter_worker.draft
+
+    def draft(*a, **kw):
+        toks = inner(*a, **kw)
+        if threading.current_thread().name.startswith("draft-ahead"):
+            sizes[kw["round_index"]] = (kw["k"], len(toks))
+        return toks
+
+    monkeypatch.setattr(close.drafter_worker, "draft", draft)
+    out = _gen(close, PROMPTS[0], True, max_new_tokens=48,
+               draft=DraftConfig(num_draft_tokens=4, adaptive=False, stop_below=0.0))
+    assert out.stats.dropped_blocks > 0 and out.stats.pipelined_blocks > 0
+    assert set(sizes) == set(cancelled)
+    assert sum(cancelled.values()) == out.stats.dropped_blocks
+    for r, (k, n) in sizes.items():
+        assert (n <= min(2, k)) if cancelled[r] else (n == k), (r, k, n, cancelled[r])
+    assert any(cancelled[r] and k == 4 for r, (k, _) in sizes.items())  # blocks of 4 were cut short
 
 
 def test_a_verifier_without_drop_last_is_resynced(close):
