@@ -331,7 +331,8 @@ class Decoder(Pipelining):
         # 1. draft up to kk tokens (after the drafter's pending edit), in target ids -- unless the block
         # was drafted during the previous verification (pipelined: its wait was on that round's path)
         drafted, req.ready = req.ready, None
-        if drafted is not None and req.spec:
+        was_ahead = drafted is not None and req.spec
+        if was_ahead:
             kk, draft_on_path = len(drafted.target_ids), 0.0
         else:
             drafted = self._draft_step(req, kk, remaining, round_index)
@@ -384,7 +385,8 @@ class Decoder(Pipelining):
             self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall)
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
-                          queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps)
+                          queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps, drafted_ahead=was_ahead,
+                          ahead="" if ahead is None else "used" if following is not None else "dropped")
 
     def _draft_step(self, req: Request, kk: int, remaining: int, round_index: int) -> Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

@@ -180,3 +180,5 @@ class Pipelining:
         req.stats.pipelined_blocks += 1
         self._peers(req)
         req.k = req.policy.next_k(req.remaining(), d.unfed())
+        if req.policy.costs.measured:
+            self._probes[req.mode] = req.policy.probe_record()

@@ -114,3 +114,7 @@ class RoundEvent:
     queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
     # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
     logprobs: list | None = field(repr=False, default=None)
+    # pipelined rounds: this round's block was drafted during the previous verification; and what became
+    # of the block drafted during this one ("" none, "used": verified next, "dropped")
+    drafted_ahead: bool = False
+    ahead: str = ""

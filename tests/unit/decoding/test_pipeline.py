@@ -81,6 +81,14 @@ def _gen(eng, prompt, pipeline: bool, **kw):
     return eng.generate(prompt, max_new_tokens=kw.pop("max_new_tokens", 40), **kw)
 
 
+def _rounds(eng, prompt):
+    """The RoundEvents of a pipelined greedy run through the round loop itself."""
+    eng.decoder.pipeline = True
+    ids = list(eng.target.tokenizer(prompt)["input_ids"])
+    d_ids = list(eng.drafter.tokenizer(prompt)["input_ids"])
+    return eng.decoder.run("rounds", ids, d_ids, max_new_tokens=40, params=SamplingParams(), seed=0, draft=FIXED)
+
+
 def test_pipeline_setting():
     assert pipeline_on("on", colocated=True) and not pipeline_on("off", colocated=False)
     assert pipeline_on("auto", colocated=False) and not pipeline_on("auto", colocated=True)
@@ -102,6 +110,10 @@ def test_greedy_is_token_identical_pipelined_same_vocabulary(close):
         dropped += piped.stats.dropped_blocks
         # a block accepted whole takes no token of its own: fewer rounds than blocks' tokens + 1 each
         assert piped.stats.new_tokens == piped.stats.accepted + piped.stats.rounds - piped.stats.pipelined_blocks
+        # each round says whether its block was drafted ahead, and what became of the one it drafted ahead
+        events = list(_rounds(close, prompt))
+        assert [e.ahead for e in events].count("used") == sum(e.drafted_ahead for e in events) > 0
+        assert all(b.drafted_ahead == (a.ahead == "used") for a, b in zip(events, events[1:]))
     assert pipelined > 0 and dropped > 0
 
 
