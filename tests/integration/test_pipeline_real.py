@@ -1,0 +1,85 @@
+"""Pipelined rounds on the catalog's real models, fp32 targets: greedy output token-identical pipelined,
+serial and target-only.
+
+Two pairs, in process (the gateway's round loop; ``engine.decoder.pipeline`` switches pipelining
+between runs of one engine): qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b (one vocabulary:
+blocks drafted ahead are target ids as they are), and smollm2-135m drafting for gemma3-270m in text
+mode (two vocabularies: the block ahead continues from the drafter's own text, re-encoded into
+gemma3's tokens). The prompts are tests/integration/test_real_models.py's -- the target-only
+references of gemma3-270m are shared with it (`target_only`) -- Chinese among them, whose output
+holds gemma3 tokens outside SmolLM2's vocabulary.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from crossdraft.engine import DraftConfig, Engine
+from crossdraft.models import loading as M
+from tests.integration.test_real_models import N_TOKENS, PROMPTS
+
+pytestmark = pytest.mark.real_models
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(catalog_model):
+    """fp32 target and drafter. The 0.5b is the package's shared fp32 copy; the 1.5b (6 GB in fp32) is
+    this file's alone, so it is loaded here and freed after the module instead of kept for the package."""
+    engine = Engine(M.load_model("qwen2.5-coder-1.5b", dtype=torch.float32), catalog_model("qwen2.5-coder-0.5b"),
+                    pipeline="on")
+    yield engine
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(catalog_model):
+    # the models as tests/integration/test_real_models.py loads them (one copy each per package)
+    return Engine(catalog_model("gemma3-270m", dtype=torch.float32),
+                  catalog_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"]), pipeline="on")
+
+
+def _identical(engine, target_only, mode: str, prompts: list[str]) -> dict:
+    """Each prompt: serial and pipelined runs give target-only's ids; the pipelined runs' counts."""
+    # static costs: with measured ones a pair near break-even may rightly draft nothing in 24 tokens
+    draft = DraftConfig(num_draft_tokens=4, mode=mode, cost_model="static")
+    total = {"pipelined_blocks": 0, "dropped_blocks": 0, "drafted": 0}
+    try:
+        for prompt in prompts:
+            ref = target_only(engine, prompt, N_TOKENS)
+            engine.decoder.pipeline = False
+            serial = engine.generate(prompt, max_new_tokens=N_TOKENS, draft=draft)
+            engine.decoder.pipeline = True
+            piped = engine.generate(prompt, max_new_tokens=N_TOKENS, draft=draft)
+            assert serial.token_ids == ref.token_ids, f"serial diverged on {prompt!r}"
+            assert piped.token_ids == ref.token_ids, f"pipelined diverged on {prompt!r}"
+            assert piped.text == ref.text
+            assert serial.stats.pipelined_blocks == serial.stats.dropped_blocks == 0
+            assert piped.stats.draft_mode == mode
+            for k in total:
+                total[k] += getattr(piped.stats, k)
+    finally:
+        engine.decoder.pipeline = True
+    return total
+
+
+def test_greedy_pipelined_is_identical_on_the_qwen_pair(qwen_pair, target_only):
+    """One vocabulary: blocks drafted ahead were verified in place of the round's own token, and some
+    were dropped after a rejection -- with the target-only ids either way."""
+    # code and prose (the 1.5b target costs ~0.2 s a token here; Chinese is the other pair's case)
+    total = _identical(qwen_pair, target_only, "tli", PROMPTS[:2])
+    assert total["pipelined_blocks"] > 0 and total["dropped_blocks"] > 0, total
+
+
+def test_greedy_pipelined_is_identical_across_vocabularies_in_text_mode(gemma_pair, target_only):
+    """Two vocabularies, text mode: blocks were drafted ahead from the drafter's own text, and the
+    Chinese prompt's output holds target tokens outside the drafter's vocabulary (text the drafter
+    cannot propose as one of its tokens) -- the same ids as target-only."""
+    total = _identical(gemma_pair, target_only, "text", PROMPTS)
+    assert total["pipelined_blocks"] > 0 and total["dropped_blocks"] > 0, total
+    chinese = target_only(gemma_pair, PROMPTS[2], N_TOKENS)
+    eos = gemma_pair.target.eos_token_ids
+    assert [t for t in chinese.token_ids if gemma_pair.t2d[t] < 0 and t not in eos], "no token outside the drafter's"
