@@ -2,8 +2,9 @@
 serial and target-only.
 
 Two pairs, in process (the gateway's round loop; ``engine.decoder.pipeline`` switches pipelining
-between runs of one engine): qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b (one vocabulary:
-blocks drafted ahead are target ids as they are), and smollm2-135m drafting for gemma3-270m in text
+between runs of one engine): qwen2.5-coder-0.5b with int8 weights drafting for its fp32 self (one
+vocabulary: blocks drafted ahead are target ids as they are; the int8 copy loads from the package's
+models in seconds, where the 1.5b would cost a minute of the suite), and smollm2-135m drafting for gemma3-270m in text
 mode (two vocabularies: the block ahead continues from the drafter's own text, re-encoded into
 gemma3's tokens). The prompts are tests/integration/test_real_models.py's -- the target-only
 references of gemma3-270m are shared with it (`target_only`) -- Chinese among them, whose output
@@ -11,8 +12,6 @@ holds gemma3 tokens outside SmolLM2's vocabulary.
 """
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
@@ -26,13 +25,9 @@ pytestmark = pytest.mark.real_models
 
 @pytest.fixture(scope="module")
 def qwen_pair(catalog_model):
-    """fp32 target and drafter. The 0.5b is the package's shared fp32 copy; the 1.5b (6 GB in fp32) is
-    this file's alone, so it is loaded here and freed after the module instead of kept for the package."""
-    engine = Engine(M.load_model("qwen2.5-coder-1.5b", dtype=torch.float32), catalog_model("qwen2.5-coder-0.5b"),
-                    pipeline="on")
-    yield engine
-    del engine
-    gc.collect()
+    """The package's shared fp32 qwen2.5-coder-0.5b as the target, an int8 copy as the drafter."""
+    return Engine(catalog_model("qwen2.5-coder-0.5b"), catalog_model("qwen2.5-coder-0.5b", quantize="int8"),
+                  pipeline="on")
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +62,11 @@ def _identical(engine, target_only, mode: str, prompts: list[str]) -> dict:
 
 
 def test_greedy_pipelined_is_identical_on_the_qwen_pair(qwen_pair, target_only):
-    """One vocabulary: blocks drafted ahead were verified in place of the round's own token, and some
-    were dropped after a rejection -- with the target-only ids either way."""
-    # code and prose (the 1.5b target costs ~0.2 s a token here; Chinese is the other pair's case)
-    total = _identical(qwen_pair, target_only, "tli", PROMPTS[:2])
-    assert total["pipelined_blocks"] > 0 and total["dropped_blocks"] > 0, total
+    """One vocabulary: blocks drafted ahead were verified in place of the round's own token -- with the
+    target-only ids. (The int8 copy rarely disagrees with its fp32 self: the dropped branch on real
+    models is the text-mode pair's below, and the tiny pairs' in tests/unit/decoding/test_pipeline.py.)"""
+    total = _identical(qwen_pair, target_only, "tli", PROMPTS)
+    assert total["pipelined_blocks"] > 0, total
 
 
 def test_greedy_pipelined_is_identical_across_vocabularies_in_text_mode(gemma_pair, target_only):
