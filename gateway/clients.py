@@ -217,9 +217,9 @@ class RemoteDrafter(_Remote):
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
               stop_cumulative=0.0, heal=False, position=-1, cancel=None):
-        """Apply the edit, then collect the up to k draft tokens the drafter streams back. cancel: a
-        threading.Event; once it is set the stream is cancelled after the token in flight (the drafter
-        stops that block: DrafterWorker.draft_iter)."""
+        """Apply the edit, then collect the up to k draft tokens the drafter streams back. cancel:
+        ``is_set()`` is asked once after each token received (DrafterPort.draft); True cancels the stream
+        there (the drafter stops that block: DrafterWorker.draft_iter)."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
                                        allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal,

@@ -378,7 +378,7 @@ class Decoder(Pipelining):
             self._next_block(req, drafted, n, res.next_token)
         # the round's time outside the model time on its critical path: the verification, the drafting
         # done in this round, and the part of the block drafted ahead that the round waited for
-        on_path = draft_on_path + (ahead.on_path_s(following.seconds if following else 0.0) if ahead else 0.0)
+        on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0)
         overhead = time.perf_counter() - t_round - res.forward_s - on_path
         stats.overhead_s += overhead
         if self.log:

@@ -46,6 +46,33 @@ def pipeline_on(setting: str, colocated: bool) -> bool:
     return setting == "on" or (setting == "auto" and not colocated)
 
 
+class Stop:
+    """The cancel signal of a call drafting ahead (DrafterPort.draft's ``cancel``, whose ``is_set()`` the
+    drafter calls once after each token it drafts): after :meth:`set` the block ends once it holds at
+    least ``floor`` tokens."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._floor: int | None = None
+        self._tokens = 0
+
+    def set(self, floor: int = 1) -> None:
+        with self._lock:
+            floor = max(1, floor)
+            self._floor = floor if self._floor is None else min(self._floor, floor)
+
+    @property
+    def requested(self) -> bool:
+        with self._lock:
+            return self._floor is not None
+
+    def is_set(self) -> bool:
+        """(Called by the drafter after each token: counts them.)"""
+        with self._lock:
+            self._tokens += 1
+            return self._floor is not None and self._tokens >= self._floor
+
+
 class Ahead:
     """One block drafted ahead: the drafter call runs on a worker thread (in the caller's context, so
     its trace span is a child of the round's) while the caller verifies."""
@@ -54,14 +81,15 @@ class Ahead:
     _pool_lock = threading.Lock()
 
     def __init__(self, call, proposals: list[int], position: int, round_index: int,
-                 cancel: threading.Event | None = None):
+                 cancel: Stop | None = None):
         self.proposals = list(proposals)  # the drafter ids the block ahead continues from (this block's)
         self.position = position  # the target position of its first token
         self.round_index = round_index  # the round that verifies it
-        self.cancelled = cancel if cancel is not None else threading.Event()  # the drafter call's cancel
+        self.cancelled = cancel if cancel is not None else Stop()  # the drafter call's cancel
         self.t_start = time.perf_counter()
         self.t_end = 0.0
         self.waited_s = 0.0  # how long the caller blocked on it after its verification came back
+        self.model_s = 0.0  # the drafter's forward time of the tokens it returned
         ctx = contextvars.copy_context()
         self._future: Future = self._executor().submit(ctx.run, self._timed, call)
 
@@ -78,10 +106,11 @@ class Ahead:
         finally:
             self.t_end = time.perf_counter()
 
-    def cancel(self) -> None:
-        """The block is not needed (the one before it was rejected): the drafter stops after the token in
-        progress, so the next block's Draft does not queue behind the rest of this one."""
-        self.cancelled.set()
+    def cancel(self, floor: int = 1) -> None:
+        """End the block after the token in progress, once it holds at least ``floor`` tokens: it is not
+        needed (floor 1: the block before it was rejected, and the next Draft must not queue behind the
+        rest of this one), or it is needed now (the block before it was accepted whole)."""
+        self.cancelled.set(floor)
 
     def wait(self):
         """The drafted tokens (DraftTokens); raises what the drafter call raised. Records how long the
@@ -92,10 +121,11 @@ class Ahead:
         finally:
             self.waited_s = time.perf_counter() - t0
 
-    def on_path_s(self, model_s: float) -> float:
+    def on_path_s(self) -> float:
         """The part of this block's drafter time on the round's critical path: the caller's wait for it,
-        at most the drafter's own forward time (the rest of the wait is the drafter's overhead)."""
-        return min(self.waited_s, model_s)
+        at most the drafter's own forward time (the rest of the wait is the drafter's overhead). A
+        cancelled block's wait is the token in progress when it was cancelled: model time too."""
+        return min(self.waited_s, self.model_s)
 
 
 def can_draft_ahead(pair: TokenPair, proposals: list[int], target_ids: list[int], healed: bytes, text_mode: bool,
@@ -130,7 +160,7 @@ class Pipelining:
         if not can_draft_ahead(self.pair, proposals, drafted.target_ids, drafted.healed, req.text_mode, self.eos,
                                remaining):
             return None
-        d, params, cancel = req.d, req.params, threading.Event()
+        d, params, cancel = req.d, req.params, Stop()
         kw = dict(k=min(req.k, remaining - kd - 1, 64), round_index=round_index + 1, params=params, seed=req.seed,
                   stop_below=req.draft.stop_below, allowed_key=self.pair.keys[req.mode],
                   timeout_s=self.drafter_timeout_s, cancel=cancel)
@@ -147,9 +177,20 @@ class Pipelining:
 
     def _take_ahead(self, req: Request, ahead: Ahead, kd: int, n: int, remaining: int) -> "Drafted | None":
         """Wait for the block drafted ahead; it is the next block if this one was accepted whole, else it
-        is dropped (the drafter's next edit cuts it from its cache)."""
+        is dropped (the drafter's next edit cuts it from its cache).
+
+        Where the text does not depend on where blocks end (greedy, coupled draws), a block accepted
+        whole also ends the block ahead after the token in progress: drafting ahead fills the time of
+        the verification, and the next verification starts as soon as this one ends rather than after
+        the rest of a long block. (Plain rejection sampling keeps its block's planned length: there a
+        seed's text depends on the blocks, which must not depend on timing.) Such a block keeps at least
+        2 tokens."""
         if n < kd or not req.spec:
             ahead.cancel()
+        elif req.params.greedy or req.params.coupled:
+            # at least 2 tokens: a pipelined block of m tokens yields m where a serial one yields m + 1
+            # (its round's own token), so a block of 1 gains nothing from being verified early
+            ahead.cancel(2)
         try:
             toks = ahead.wait()
         except (Unavailable, ResourceExhausted, InvalidArgument) as e:
@@ -158,7 +199,7 @@ class Pipelining:
         except (NotFound, FailedPrecondition):  # the drafter lost the session: the next draft re-syncs it
             req.stats.dropped_blocks += 1
             return None
-        seconds = sum(t.forward_s for t in toks)
+        seconds = ahead.model_s = sum(t.forward_s for t in toks)
         req.stats.draft_s += seconds
         with_q = not req.params.greedy and not req.params.coupled
         drafts_t, q_rows = (block_in_target_ids(self.pair, toks, b"", remaining - kd - 1, req.text_mode, with_q)

@@ -75,5 +75,6 @@ class DrafterPort(ModelPort, Protocol):
         early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
         the session's last id (crossdraft.vocab.healing); a first token with ``heals`` replaced it.
         position: the target-side position of the first proposal (coupled draws; -1 = unknown).
-        cancel: a threading.Event (pipelined rounds); once it is set the block ends after the token in
-        progress, and the drafter stops drafting it."""
+        cancel: pipelined rounds: an object whose ``is_set()`` is called once after each token drafted (a
+        threading.Event, or crossdraft.decoding.pipeline.Stop); True ends the block there, and the
+        drafter stops drafting it."""

@@ -522,8 +522,8 @@ class DrafterWorker(_Worker):
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
               stop_cumulative: float = 0.0, heal: bool = False, position: int = -1, cancel=None) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
-        drafters: in process there is no wire to wait on). cancel: a threading.Event; once it is set the
-        block ends after the token in progress."""
+        drafters: in process there is no wire to wait on). cancel: ``is_set()`` is asked once after each
+        token (DrafterPort.draft); True ends the block there."""
         toks = []
         for tok in self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
                                    stop_cumulative, heal, position):
