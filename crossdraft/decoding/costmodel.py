@@ -189,7 +189,7 @@ class CostModel:
         # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
         # against b tokens for v(b) (target-only); b = 1 is one session alone
         per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
-        if self.pipelined:
+        if self.pipelines():
             e, per = self._pipelined(k, a, e, b, c)
         if n >= b:
             return e * per
@@ -201,6 +201,13 @@ class CostModel:
         if ep * per < self.need():
             return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
         return max(alone, (e + (b - 1.0) * ep) / b * per)
+
+    def pipelines(self) -> bool:
+        """Whether this session's rounds are pipelined now: where pipelining is on and no other session
+        shares the verifier's forwards (on average fewer than 2 sessions). Other sessions' verifications
+        fill the time a session drafts -- serial rounds interleave -- so drafting ahead would only give
+        up each block's own token and verify that position twice."""
+        return self.pipelined and self.load()[0] < 2.0
 
     def _pipelined(self, k: int, a: float, e: float, b: float, c: float) -> tuple[float, float]:
         """(tokens, tokens per target step per token) of a pipelined round of k at acceptance a: with

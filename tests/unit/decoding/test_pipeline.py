@@ -229,6 +229,22 @@ def test_a_rejected_blocks_successor_stops_drafting(close, monkeypatch, params):
     assert any(cancelled[r] and k == 4 for r, (k, _) in sizes.items())  # blocks of 4 were cut short
 
 
+def test_under_load_rounds_run_serially(close):
+    """A verifier that reports 16 sessions sharing its forwards: once the round loop has seen it (its
+    second round), no block is drafted ahead -- the other sessions' verifications fill the time this
+    one drafts, and drafting ahead would only give up each block's own token."""
+    import dataclasses
+
+    class Loaded(Counting):
+        def verify(self, *a, **kw):
+            return dataclasses.replace(super().verify(*a, **kw), active_sessions=16, batch_size=16)
+
+    close.decoder.verifier = Loaded(close.verifier)
+    out = _gen(close, PROMPTS[0], True)
+    assert out.stats.cost_model == "measured" and out.stats.rounds > 5
+    assert out.stats.pipelined_blocks + out.stats.dropped_blocks <= 2  # rounds 0 and 1 started before it was seen
+
+
 def test_a_verifier_without_drop_last_is_resynced(close):
     """An older verifier ignores drop_last_token and finds the history one token longer than the
     caller states: FAILED_PRECONDITION, a re-sync, the same tokens."""
@@ -308,9 +324,24 @@ def test_pipelined_rounds_price_drafting_off_the_critical_path():
     piped.pipelined = True
     assert piped.rate(4, 0.95) > serial.rate(4, 0.95)
     assert piped.rate(4, 0.05) <= serial.rate(4, 0.05) + 1e-9
+    # other sessions share the verifier's forwards: their verifications fill this session's drafting
+    # time, and the round is priced (and run) serially
+    piped.measured = True
+    for _ in range(20):
+        piped.observe_batch(16)
+    assert not piped.pipelines()
+    assert piped.rate(4, 0.95) == pytest.approx(_serial_rate_at(piped, 4, 0.95))
     # a drafter as slow as the whole verification: at full acceptance the round costs the drafting
     slow = CostModel(cost_ratio=5.0)
     slow.pipelined = True
     # (tokens / drafting time: 2 tokens for 2 drafter steps of 5 target steps; the acceptance estimate
     # is clamped below 1, hence the tolerance)
     assert slow.rate(2, 0.999) == pytest.approx(2 * slow.vcost(1) / (2 * 5.0), rel=0.03)
+
+
+def _serial_rate_at(model: CostModel, k: int, a: float) -> float:
+    model.pipelined = False
+    try:
+        return model.rate(k, a)
+    finally:
+        model.pipelined = True
