@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from scipy import stats as sst
 
 from crossdraft.decoding import coupled as CP
 from crossdraft.decoding import sampling as S
@@ -451,3 +452,47 @@ def check_rounds(cap: Capture, target_model, d2t=None, drafter_model=None, limit
         check_drafts(cap, vc, d2t, drafter_model)
         check_exact(cap, vc, report)
     return report
+
+
+# ---- end-to-end guards: sampled pairs of first tokens against target-only's exact joint -----------
+
+
+def exact_two_token_distribution(engine, prompt_ids, params):
+    """Target-only sampling's exact joint distribution of the first two tokens, {(t1, t2): prob}."""
+    model = engine.target.model
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1:]
+        vocab = logits.shape[-1]
+        pres = S.presence_rows(torch.tensor(prompt_ids), None, vocab, 1)
+        p1 = S.probabilities(S.process_logits(logits, params, pres))[0].double()
+        firsts = torch.nonzero(p1 > 0).flatten().tolist()
+        batch = torch.tensor([prompt_ids + [t] for t in firsts])
+        logits2 = model(input_ids=batch).logits[:, -1]
+        pres2 = torch.stack([S.presence_rows(torch.tensor(prompt_ids + [t]), None, vocab, 1)[0] for t in firsts])
+        p2 = S.probabilities(S.process_logits(logits2, params, pres2)).double()
+    joint = {}
+    for i, t1 in enumerate(firsts):
+        for t2 in torch.nonzero(p2[i] > 0).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[i, t2])
+    return joint
+
+
+def chi_square(counts: dict, expected_p: dict, n: int):
+    """Pearson chi-square over cells with expected count >= 5, the rest pooled into one cell."""
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for cell, p in expected_p.items():
+        if p * n >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(p * n)
+        else:
+            pool_o += counts.get(cell, 0)
+            pool_e += p * n
+    unexpected = sum(c for cell, c in counts.items() if cell not in expected_p)
+    assert unexpected == 0, "sampled a pair that target-only sampling can never produce"
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs, exp = np.array(obs, dtype=float), np.array(exp)
+    exp *= obs.sum() / exp.sum()
+    return sst.chisquare(obs, exp), len(obs)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -207,3 +209,24 @@ class Services:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def metric_value(http, name, labels="") -> float:
+    """A Prometheus sample's value on ``http``/metrics (0.0 when it is not there yet)."""
+    for line in requests.get(http + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def metric_settled(http, name, settle_s=0.5, timeout_s=60.0) -> float:
+    """Wait until counter ``name`` stops moving (unchanged over settle_s); its value."""
+    deadline = time.monotonic() + timeout_s
+    last = metric_value(http, name)
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = metric_value(http, name)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"{name} kept moving for {timeout_s} s")

@@ -11,6 +11,7 @@ import requests
 
 from crossdraft.client import Client
 from gateway.rest import derive_seed
+from tests.service_fixtures import metric_settled, metric_value
 
 PROMPT = "The quick brown fox"
 
@@ -258,13 +259,6 @@ def test_past_the_running_and_queued_limits_requests_get_429_and_health_stays_up
 
 # ---- cancellation: a client that goes away stops its request within a round ------------------------
 
-def _counter(http, name, labels="") -> float:
-    for line in requests.get(http + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + labels + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def _held_sessions(stack) -> tuple[int, int]:
     from gateway.clients import RemoteDrafter, RemoteVerifier
 
@@ -274,21 +268,6 @@ def _held_sessions(stack) -> tuple[int, int]:
     finally:
         v.channel.close()
         d.channel.close()
-
-
-def _wait_still(http, name, settle_s=0.5, timeout_s=60.0) -> float:
-    """Wait until counter ``name`` stops moving (unchanged over settle_s); its value."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    last = _counter(http, name)
-    while time.monotonic() < deadline:
-        time.sleep(settle_s)
-        now = _counter(http, name)
-        if now == last:
-            return now
-        last = now
-    raise AssertionError(f"{name} kept moving for {timeout_s} s")
 
 
 @pytest.mark.parametrize("how", ["rest", "sse", "grpc"])
@@ -306,16 +285,16 @@ def test_a_client_that_goes_away_stops_its_request(stack, how):
     held_before = _held_sessions(stack)
     cancelled = f'{{api="{api}",status="cancelled"}}'
     ok = f'{{api="{api}",status="ok"}}'
-    before = {k: _counter(http, "crossdraft_requests_total", k) for k in (cancelled, ok)}
-    tokens_before = _counter(http, "crossdraft_completion_tokens_total")
-    rounds_before = _counter(http, "crossdraft_rounds_total")
+    before = {k: metric_value(http, "crossdraft_requests_total", k) for k in (cancelled, ok)}
+    tokens_before = metric_value(http, "crossdraft_completion_tokens_total")
+    rounds_before = metric_value(http, "crossdraft_rounds_total")
 
     def started():
         deadline = time.monotonic() + 60
-        while _counter(http, "crossdraft_rounds_total") <= rounds_before + 2:
+        while metric_value(http, "crossdraft_rounds_total") <= rounds_before + 2:
             assert time.monotonic() < deadline, "the request never started its rounds"
             time.sleep(0.005)
-        return _counter(http, "crossdraft_rounds_total")
+        return metric_value(http, "crossdraft_rounds_total")
 
     if how in ("rest", "sse"):
         body = json.dumps({"prompt": PROMPT, "max_tokens": 480, "stream": how == "sse"}).encode()
@@ -331,16 +310,16 @@ def test_a_client_that_goes_away_stops_its_request(stack, how):
             assert next(call).HasField("delta")
             at_close = started()
             call.cancel()
-    rounds_after = _wait_still(http, "crossdraft_rounds_total")
+    rounds_after = metric_settled(http, "crossdraft_rounds_total")
     deadline = time.monotonic() + 30
-    while _counter(http, "crossdraft_requests_total", cancelled) < before[cancelled] + 1:
+    while metric_value(http, "crossdraft_requests_total", cancelled) < before[cancelled] + 1:
         assert time.monotonic() < deadline, "the request was not counted as cancelled"
         time.sleep(0.05)
     # a 480-token request takes far more rounds than this; the ones after the disconnect are the
     # round in flight plus the few between reading the counter and closing the connection
     assert rounds_after - at_close <= 25, (rounds_after, at_close)
-    assert _counter(http, "crossdraft_requests_total", ok) == before[ok]
-    assert _counter(http, "crossdraft_completion_tokens_total") == tokens_before
+    assert metric_value(http, "crossdraft_requests_total", ok) == before[ok]
+    assert metric_value(http, "crossdraft_completion_tokens_total") == tokens_before
     assert _held_sessions(stack) == held_before  # its sessions were dropped on both servers
 
 
@@ -568,20 +547,20 @@ def test_n_completions_share_the_prompts_prefill(stack):
     """The n runs find the prompt's keys and values cached on both model servers (forked from one
     prefill): each run's first sync reuses all but the last prompt token, on the verifier and on
     the drafter -- without sharing each would prefill the prompt itself and reuse nothing."""
-    before = _gateway_counter(stack, "crossdraft_prefill_forks_total")
+    before = _gatewaymetric_value(stack, "crossdraft_prefill_forks_total")
     r = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3})
     body = r.json()
     spec = body["speculative"]
     assert spec["reused_target_tokens"] == 3 * (body["usage"]["prompt_tokens"] - 1), spec
     assert spec["reused_drafter_tokens"] >= 3, spec
     assert spec["mode"] == "speculative"
-    assert _gateway_counter(stack, "crossdraft_prefill_forks_total") - before == 4  # 2 verifier + 2 drafter forks
+    assert _gatewaymetric_value(stack, "crossdraft_prefill_forks_total") - before == 4  # 2 verifier + 2 drafter forks
     one = rest(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3}).json()
     assert one["speculative"]["reused_target_tokens"] == 0  # a lone run prefills in its first round
     assert body["choices"][0]["text"] == one["choices"][0]["text"]  # sharing changes no token
 
 
-def _gateway_counter(stack, name: str) -> float:
+def _gatewaymetric_value(stack, name: str) -> float:
     text = requests.get(stack.http + "/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 

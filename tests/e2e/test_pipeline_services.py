@@ -26,9 +26,18 @@ import torch
 from crossdraft.client import Client
 from crossdraft.decoding.sampling import SamplingParams
 from gateway.rest_json import _token_text
-from tests.e2e.test_api import _counter, _wait_still
-from tests.service_fixtures import Proc, Services, free_port, gateway, model_server, wait_grpc_healthy, wait_http_ready
-from tests.unit.test_engine_tiny import _chi_square, _exact_two_token_distribution
+from tests import exact
+from tests.service_fixtures import (
+    Proc,
+    Services,
+    free_port,
+    gateway,
+    metric_settled,
+    metric_value,
+    model_server,
+    wait_grpc_healthy,
+    wait_http_ready,
+)
 
 PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
 FIXED = {"num_draft_tokens": 3, "adaptive_draft": False}
@@ -183,7 +192,7 @@ def test_rest_sampling_pipelined_follows_the_target_distribution(pipe, close_pai
     prompt_ids = engine.pair.encode_target(CHI_PROMPT)
     eos = engine.target.eos_token_ids
     expected: dict = {}
-    for (t1, t2), p in _exact_two_token_distribution(engine, prompt_ids, params).items():
+    for (t1, t2), p in exact.exact_two_token_distribution(engine, prompt_ids, params).items():
         key = () if t1 in eos else (_token_text(engine.pair, t1)[0],) if t2 in eos else (
             _token_text(engine.pair, t1)[0], _token_text(engine.pair, t2)[0])
         expected[key] = expected.get(key, 0.0) + p
@@ -205,7 +214,7 @@ def test_rest_sampling_pipelined_follows_the_target_distribution(pipe, close_pai
                 stats[k] += s[k]
     n = sum(counts.values())
     assert n == CHI_SAMPLES
-    (chi2, pvalue), cells = _chi_square(counts, expected, n)
+    (chi2, pvalue), cells = exact.chi_square(counts, expected, n)
     assert cells >= 10, "distribution too concentrated to test anything"
     assert pvalue > 1e-4, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
     assert stats["pipelined_blocks"] > 0 and stats["dropped_blocks"] > 0, stats
@@ -233,8 +242,8 @@ def test_a_client_that_goes_away_mid_pipeline_stops_both_services(pipe, referenc
     verify_calls, draft_calls = "crossdraft_verifier_verify_calls_total", "crossdraft_drafter_draft_calls_total"
     cancelled = '{api="rest",status="cancelled"}'
     held_before = _held_sessions(pipe)
-    n_cancelled = _counter(http, "crossdraft_requests_total", cancelled)
-    rounds_before = _counter(http, "crossdraft_rounds_total")
+    n_cancelled = metric_value(http, "crossdraft_requests_total", cancelled)
+    rounds_before = metric_value(http, "crossdraft_rounds_total")
     body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 480, "stream": True, "num_draft_tokens": 3,
                        "adaptive_draft": False}).encode()
     u = urlparse(http)
@@ -242,16 +251,18 @@ def test_a_client_that_goes_away_mid_pipeline_stops_both_services(pipe, referenc
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     deadline = time.monotonic() + 60  # liveness bound: the first rounds take milliseconds
-    while _counter(http, "crossdraft_rounds_total") <= rounds_before + 3:
+    while metric_value(http, "crossdraft_rounds_total") <= rounds_before + 3:
         assert time.monotonic() < deadline, "the request never started its rounds"
         time.sleep(0.005)
-    at_close = {"rounds": _counter(http, "crossdraft_rounds_total"), "verify": _counter(pipe.v_metrics, verify_calls),
-                "draft": _counter(pipe.d_metrics, draft_calls)}
+    at_close = {"rounds": metric_value(http, "crossdraft_rounds_total"),
+                "verify": metric_value(pipe.v_metrics, verify_calls),
+                "draft": metric_value(pipe.d_metrics, draft_calls)}
     sock.close()
-    after = {"rounds": _wait_still(http, "crossdraft_rounds_total"),
-             "verify": _wait_still(pipe.v_metrics, verify_calls), "draft": _wait_still(pipe.d_metrics, draft_calls)}
+    after = {"rounds": metric_settled(http, "crossdraft_rounds_total"),
+             "verify": metric_settled(pipe.v_metrics, verify_calls),
+             "draft": metric_settled(pipe.d_metrics, draft_calls)}
     deadline = time.monotonic() + 30
-    while _counter(http, "crossdraft_requests_total", cancelled) < n_cancelled + 1:
+    while metric_value(http, "crossdraft_requests_total", cancelled) < n_cancelled + 1:
         assert time.monotonic() < deadline, "the request was not counted as cancelled"
         time.sleep(0.05)
     # the whole request would take at least 480 / 4 = 120 more rounds (and as many Verify and Draft

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats as sst
 
 from crossdraft.decoding import sampling as S
 from crossdraft.decoding.sampling import SamplingParams
@@ -169,47 +168,6 @@ GUARD_RUNS = 2_000  # samples of an end-to-end chi-square guard
 HOLD_S = 3.0
 
 
-def _exact_two_token_distribution(engine, prompt_ids, params):
-    """Target-only sampling's exact joint distribution of the first two tokens, {(t1, t2): prob}."""
-    model = engine.target.model
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1:]
-        vocab = logits.shape[-1]
-        pres = S.presence_rows(torch.tensor(prompt_ids), None, vocab, 1)
-        p1 = S.probabilities(S.process_logits(logits, params, pres))[0].double()
-        firsts = torch.nonzero(p1 > 0).flatten().tolist()
-        batch = torch.tensor([prompt_ids + [t] for t in firsts])
-        logits2 = model(input_ids=batch).logits[:, -1]
-        pres2 = torch.stack([S.presence_rows(torch.tensor(prompt_ids + [t]), None, vocab, 1)[0] for t in firsts])
-        p2 = S.probabilities(S.process_logits(logits2, params, pres2)).double()
-    joint = {}
-    for i, t1 in enumerate(firsts):
-        for t2 in torch.nonzero(p2[i] > 0).flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[i, t2])
-    return joint
-
-
-def _chi_square(counts: dict, expected_p: dict, n: int):
-    """Pearson chi-square over cells with expected count >= 5, the rest pooled into one cell."""
-    obs, exp = [], []
-    pool_o, pool_e = 0.0, 0.0
-    for cell, p in expected_p.items():
-        if p * n >= 5:
-            obs.append(counts.get(cell, 0))
-            exp.append(p * n)
-        else:
-            pool_o += counts.get(cell, 0)
-            pool_e += p * n
-    unexpected = sum(c for cell, c in counts.items() if cell not in expected_p)
-    assert unexpected == 0, "sampled a pair that target-only sampling can never produce"
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    obs, exp = np.array(obs, dtype=float), np.array(exp)
-    exp *= obs.sum() / exp.sum()
-    return sst.chisquare(obs, exp), len(obs)
-
-
 def _sample_counts(engine, prompt, params, n, *, k=3):
     counts: dict = {}
     drafted = accepted = 0
@@ -259,9 +217,9 @@ def same_vocab_close(peaked_pair, tok_t, tmp_path_factory):
 def _check_distribution(engine, params, n=GUARD_RUNS):
     """End-to-end guard: n seeded runs' first two tokens against target-only's exact joint."""
     prompt_ids = list(engine.target.tokenizer(PROMPT)["input_ids"])
-    expected = _exact_two_token_distribution(engine, prompt_ids, params)
+    expected = exact.exact_two_token_distribution(engine, prompt_ids, params)
     counts, drafted, accepted = _sample_counts(engine, PROMPT, params, n)
-    (chi2, pvalue), cells = _chi_square(counts, expected, n)
+    (chi2, pvalue), cells = exact.chi_square(counts, expected, n)
     assert cells >= 10, "distribution too concentrated to test anything"
     assert pvalue > 1e-3, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
     # both branches of the acceptance rule were exercised
@@ -386,7 +344,7 @@ def test_tli_sampling_in_shared_batches_is_lossless(tli_no_eos, peaked_pair, mon
     engine = tli_no_eos
     t_ids = list(engine.target.tokenizer(PROMPT)["input_ids"])
     d_ids = engine.pair.encode_drafter(PROMPT)
-    expected = _exact_two_token_distribution(engine, t_ids, params)
+    expected = exact.exact_two_token_distribution(engine, t_ids, params)
     target, drafter = peaked_pair
     cfg = WorkerConfig(max_sessions=64)
     vb = VerifierWorker(target, cfg, batch=BatchConfig(max_wait_ms=20))
@@ -439,7 +397,7 @@ def test_tli_sampling_in_shared_batches_is_lossless(tli_no_eos, peaked_pair, mon
     assert d_sizes[0] == threads and v_sizes[0] == threads
     report = exact.check_rounds(cap, target.model, engine.pair.d2t, drafter.model)
     assert report.nodes >= 24
-    (chi2, pvalue), cells = _chi_square(counts, expected, n)
+    (chi2, pvalue), cells = exact.chi_square(counts, expected, n)
     assert cells >= 10
     assert pvalue > 1e-3, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
     assert 0 < accepted < drafted
