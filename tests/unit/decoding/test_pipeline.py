@@ -229,11 +229,15 @@ def test_a_rejected_blocks_successor_stops_drafting(close, monkeypatch, params):
     assert any(cancelled[r] and k == 4 for r, (k, _) in sizes.items())  # blocks of 4 were cut short
 
 
-def test_under_load_rounds_run_serially(close):
+def test_under_load_rounds_run_serially(close_pair, tmp_path, monkeypatch):
     """A verifier that reports 16 sessions sharing its forwards: once the round loop has seen it (its
     second round), no block is drafted ahead -- the other sessions' verifications fill the time this
     one drafts, and drafting ahead would only give up each block's own token."""
     import dataclasses
+
+    # measured costs (the load is priced with them; the e2e tests' session turns them off process-wide)
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    close = Engine(*close_pair, vocab_cache_dir=tmp_path, pipeline="on")
 
     class Loaded(Counting):
         def verify(self, *a, **kw):
