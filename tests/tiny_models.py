@@ -54,3 +54,16 @@ def tiny_lm(tokenizer, *, seed: int, hidden: int = 32, layers: int = 2, head_sca
     if with_eos and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return TinyLM(model, tokenizer, f"tiny-{arch}-{seed}", torch.device("cpu"), torch.float32, frozenset(eos), vocab)
+
+
+def noisy_copy(lm: TinyLM, noise: float, seed: int) -> TinyLM:
+    """A drafter that is ``lm`` plus Gaussian noise of ``noise`` x each weight tensor's std (same
+    tokenizer): it agrees with ``lm`` on most tokens, so both branches of acceptance are exercised."""
+    import copy
+
+    out = copy.deepcopy(lm)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for prm in out.model.parameters():
+            prm.add_(noise * prm.std() * torch.randn_like(prm))
+    return out

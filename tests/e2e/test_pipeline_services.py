@@ -11,7 +11,6 @@ gateway on this stack's verifier and Redis.
 
 from __future__ import annotations
 
-import copy
 import json
 import socket
 import time
@@ -21,7 +20,6 @@ from urllib.parse import urlparse
 
 import pytest
 import requests
-import torch
 
 from crossdraft.client import Client
 from crossdraft.decoding.sampling import SamplingParams
@@ -66,15 +64,11 @@ class PipeStack:
 def close_pair(tmp_path_factory):
     """(target, drafter) as TinyLMs and their directories: a qwen2-style target with peaked heads and
     a drafter = target + noise (same tokenizer)."""
-    from tests.tiny_models import tiny_lm
+    from tests.tiny_models import noisy_copy, tiny_lm
     from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer
 
     target = tiny_lm(bytelevel_bpe_tokenizer(), seed=1, arch="qwen2", extra_vocab=7, head_scale=25.0)
-    drafter = copy.deepcopy(target)
-    torch.manual_seed(9)
-    with torch.no_grad():
-        for prm in drafter.model.parameters():
-            prm.add_(0.3 * prm.std() * torch.randn_like(prm))
+    drafter = noisy_copy(target, 0.3, seed=9)
     out = tmp_path_factory.mktemp("close-pair")
     dirs = []
     for lm, name in ((target, "target"), (drafter, "drafter")):

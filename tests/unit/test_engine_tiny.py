@@ -17,7 +17,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
 from crossdraft.errors import InvalidArgument
 from tests import exact
-from tests.tiny_models import tiny_lm
+from tests.tiny_models import noisy_copy, tiny_lm
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -203,14 +203,9 @@ def tli_no_eos(peaked_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def same_vocab_close(peaked_pair, tok_t, tmp_path_factory):
     """Same vocabulary, drafter = target + noise: most drafts are accepted (the other branch)."""
-    import copy
 
     target = peaked_pair[0]
-    drafter = copy.deepcopy(target)
-    torch.manual_seed(9)
-    with torch.no_grad():
-        for prm in drafter.model.parameters():
-            prm.add_(0.3 * prm.std() * torch.randn_like(prm))
+    drafter = noisy_copy(target, 0.3, seed=9)
     return Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
 
 

@@ -8,11 +8,9 @@ dropped path). Block sizes are fixed (no adaptive policy), so a run's rounds do 
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
-import torch
 
 from crossdraft.decoding import pipeline as P
 from crossdraft.decoding.costmodel import CostModel
@@ -22,7 +20,7 @@ from crossdraft.engine import DraftConfig, Engine
 from crossdraft.errors import FailedPrecondition
 from crossdraft.runtime import sessions as SS
 from tests import exact
-from tests.tiny_models import tiny_lm
+from tests.tiny_models import noisy_copy, tiny_lm
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "import numpy as np\n\nclass Model:"]
 FIXED = DraftConfig(num_draft_tokens=3, adaptive=False)
@@ -32,11 +30,7 @@ FIXED = DraftConfig(num_draft_tokens=3, adaptive=False)
 def close_pair(tok_t):
     """A target without EOS (every run generates its whole budget) and a drafter = target + noise."""
     target = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7, head_scale=8.0, with_eos=False)
-    drafter = copy.deepcopy(target)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for prm in drafter.model.parameters():
-            prm.add_(0.25 * prm.std() * torch.randn_like(prm))
+    drafter = noisy_copy(target, 0.25, seed=5)
     return target, drafter
 
 

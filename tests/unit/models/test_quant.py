@@ -21,7 +21,7 @@ from crossdraft.errors import InvalidArgument
 from crossdraft.models import quant
 from crossdraft.runtime import costs
 from crossdraft.runtime.sessions import AllowedSet, DrafterSession, apply_head
-from tests.tiny_models import tiny_lm
+from tests.tiny_models import noisy_copy, tiny_lm
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch has no _weight_int8pack_mm")
 
@@ -162,11 +162,7 @@ def test_a_quantized_drafter_keeps_sampling_lossless(tok_t, monkeypatch):
     from tests.unit import test_engine_tiny as T
 
     target = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7, head_scale=25.0, with_eos=False)
-    drafter = copy.deepcopy(target)
-    torch.manual_seed(9)
-    with torch.no_grad():
-        for prm in drafter.model.parameters():
-            prm.add_(0.3 * prm.std() * torch.randn_like(prm))
+    drafter = noisy_copy(target, 0.3, seed=9)
     quant.quantize_int8(drafter.model)
     eng = Engine(target, drafter)
     params = SamplingParams(temperature=1.0)
