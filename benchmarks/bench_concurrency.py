@@ -347,6 +347,7 @@ def main() -> None:
                     help="also run this checkout with --batching off (same code, one forward at a time)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--keep-logs", default="", help="copy the services' logs (round logs included) to this folder")
     a = ap.parse_args()
     ps = prompts(a.prompts)
     tmp = Path(tempfile.mkdtemp(prefix="crossdraft-conc-"))
@@ -377,6 +378,8 @@ def main() -> None:
     summary(res)
     if plot(res, out / f"{tag}.png"):
         print(f"wrote {out / (tag + '.png')}", flush=True)
+    if a.keep_logs:
+        shutil.copytree(log_dir, a.keep_logs, dirs_exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

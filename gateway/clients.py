@@ -165,7 +165,7 @@ class RemoteVerifier(_Remote):
                            wire.expect_from_proto(r.context), batch_size=r.batch_size or 1,
                            queue_wait_s=r.queue_wait_ms / 1e3, active_sessions=r.active_sessions or r.batch_size or 1,
                            logprobs=[(x.logprob, list(x.top_ids), list(x.top_logprobs)) for x in r.logprobs]
-                           if top_logprobs >= 0 else None)
+                           if top_logprobs >= 0 else None, price=wire.price_from_proto(r))
 
     def end(self, sid) -> bool:
         """Drop session `sid` on the verifier; whether it existed."""

@@ -226,6 +226,11 @@ class Job:
                     span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
                     if ev.ahead:
                         span.set_attribute("crossdraft.round.ahead", ev.ahead)
+                    if ev.skip_reason:  # a speculative round that drafted nothing: the chooser's reason
+                        span.set_attribute("crossdraft.round.skip_reason", ev.skip_reason)
+                    if ev.predicted_s > 0:
+                        span.set_attribute("crossdraft.round.predicted_tokens", ev.predicted_tokens)
+                        span.set_attribute("crossdraft.round.predicted_ms", ev.predicted_s * 1e3)
                     gw.metrics.round(ev)
 
                 yield record

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -33,6 +36,23 @@ class Metrics:
             "Requests moved to another replica because the chosen one refused them before their first token "
             "(reason: resource_exhausted or unavailable)", ["kind", "reason"], registry=r)
 
+        # the chooser of draft lengths (crossdraft.decoding.policy): what it chose, why it drafted nothing,
+        # and what it expected against what the rounds gave (GOODPUT_WINDOW rounds)
+        self.draft_length = Histogram(
+            "crossdraft_draft_length", "Draft tokens verified per speculative round (0: the chooser drafted none)",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.skipped = Counter("crossdraft_skipped_rounds_total",
+                               "Speculative rounds that drafted nothing, by the chooser's reason "
+                               "(acceptance, load, drafter busy, short, starting)", ["reason"], registry=r)
+        self.goodput = Gauge("crossdraft_round_goodput_tokens_per_second",
+                             "Tokens per second of a session's rounds over the latest rounds priced with measured "
+                             "costs: what the chooser predicted (kind=predicted) and what they gave (kind=measured)",
+                             ["kind"], registry=r)
+        self._window: deque = deque(maxlen=self.GOODPUT_WINDOW)
+        self._wlock = threading.Lock()
+
+    GOODPUT_WINDOW = 256
+
     def round(self, ev) -> None:
         self.rounds.inc()
         self.drafted.inc(ev.drafted)
@@ -44,6 +64,17 @@ class Metrics:
         self.round_seconds.labels("draft").observe(ev.draft_s)
         self.round_seconds.labels("verify").observe(ev.verify_s)
         self.round_seconds.labels("overhead").observe(ev.overhead_s)
+        if getattr(ev, "speculative", False):
+            self.draft_length.observe(ev.drafted)
+            if ev.skip_reason:
+                self.skipped.labels(ev.skip_reason).inc()
+            if ev.predicted_s > 0 and ev.wall_s > 0:
+                got = ev.accepted + (0 if ev.ahead == "used" else 1)
+                with self._wlock:
+                    self._window.append((ev.predicted_tokens, ev.predicted_s, got, ev.wall_s))
+                    pt, ps, mt, ms = (sum(x) for x in zip(*self._window))
+                self.goodput.labels("predicted").set(pt / ps)
+                self.goodput.labels("measured").set(mt / ms)
 
 
 def stats_dict(stats) -> dict:

@@ -53,7 +53,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                                            accepted=r.accepted, forward_ms=r.forward_s * 1e3,
                                            context=wire.expect_to_proto(r.context), batch_size=r.batch_size,
                                            queue_wait_ms=r.queue_wait_s * 1e3,
-                                           active_sessions=r.active_sessions,
+                                           active_sessions=r.active_sessions, price=wire.price_to_proto(r.price),
                                            logprobs=[common_pb2.TokenLogprob(logprob=lp, top_ids=ids,
                                                                              top_logprobs=vals)
                                                      for lp, ids, vals in (r.logprobs or [])])

@@ -48,6 +48,7 @@ class CostModel:
     # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
     # while another process computed on the same cores (such a table can be off by more than 20x)
     max_scale = 50.0
+    price_forwards = 8  # forwards a verifier's price must be fitted from before it prices rows
 
     def __init__(self, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,
@@ -73,6 +74,8 @@ class CostModel:
         # during its verification -- the drafting is off the critical path, and the round's own token
         # is not taken (the ready block checks that position)
         self.pipelined = False
+        # the verifier's published price of a batched forward by rows and tokens (measured mode; fwd)
+        self.price = None
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
         # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
@@ -89,6 +92,25 @@ class CostModel:
         if not self.v:
             return 1.0 + self.slope * (m - 1)
         return interpolate_cost(self.v, m, self.slope)
+
+    def fwd(self, rows: float, m: float) -> float:
+        """Cost of a batched forward of ``rows`` rows of m tokens each, in target decoding steps. One
+        row: the one-row table's forward of m tokens. More (a batch): the verifier's published price
+        of that many rows and tokens (:mod:`crossdraft.runtime.price`, fitted from the batches it ran:
+        each row attends over its own context and reads its own KV blocks, and a batch's tokens may
+        cost more than one row's), in units of its own one-row step so that its level meets the
+        table's at one row (the online correction ``scale_v`` owns the level); without one (static
+        costs, an unbatched or older verifier) rows cost what their tokens cost in one row."""
+        p = self.price
+        if p is None or rows <= 1:
+            return self.vcost(rows * m)
+        return p.ms(rows, rows * m) / p.ms(1, 1)
+
+    def see_price(self, price) -> None:
+        """Measured costs: the verifier's price of a forward now (crossdraft.runtime.price.Price; None:
+        none published). A price fitted from fewer than ``price_forwards`` forwards is not used yet."""
+        if self.measured and price is not None and price.forwards >= self.price_forwards and price.valid():
+            self.price = price
 
     def dcost(self, n: float) -> float:
         """Cost of a drafter forward over n rows of one token, in drafter steps."""
@@ -120,7 +142,7 @@ class CostModel:
         d = self.time_decay
         b = self.batch
         if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
-            ratio = verify_s / (self.vcost(b * m) * target_step_s)
+            ratio = verify_s / (self.fwd(b, m) * target_step_s)
             self.scale_v = d * self.scale_v + (1 - d) * min(self.max_scale, max(1 / self.max_scale, ratio))
         if steps > 0 and draft_s > 0:
             # a ratio of times: averaged in log space, each drafter step one observation (a probe's
@@ -144,11 +166,11 @@ class CostModel:
         one token), in target steps: padded to one forward of b x m, or the blocks in a forward of their
         own beside the others' -- whichever is cheaper (what the scheduler's split chooses)."""
         if n <= 0:
-            return self.vcost(b)
-        pad = self.vcost(b * m)
+            return self.fwd(b, 1)
+        pad = self.fwd(b, m)
         if n >= b - 1e-9:
             return pad
-        return min(pad, self.vcost(n * m) + self.vcost(b - n))
+        return min(pad, self.fwd(n, m) + self.fwd(b - n, 1))
 
     def agg(self, k: int, e: float, n: float, b: float, c: float) -> float:
         """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (each
@@ -160,7 +182,7 @@ class CostModel:
         v = sv * self.vround(b, n, k + 1)
         dr = k * c * self.dcost(n)
         tn = v + (dr if self.colocated else 0.0)
-        return ((b - n) / tn + n * e / (v + dr)) * sv * self.vcost(b) / b
+        return ((b - n) / tn + n * e / (v + dr)) * sv * self.fwd(b, 1) / b
 
     def rate(self, k: int, a: float) -> float:
         """Expected tokens per target decoding step with a block of k at acceptance a (k = 0:
@@ -188,7 +210,7 @@ class CostModel:
         c = self.c * self.scale_d * self.steps_per_token()
         # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
         # against b tokens for v(b) (target-only); b = 1 is one session alone
-        per = sv * self.vcost(b) / (sv * self.vcost(b * (k + 1)) + k * c * self.dcost(b))
+        per = sv * self.fwd(b, 1) / (sv * self.fwd(b, k + 1) + k * c * self.dcost(b))
         if self.pipelines():
             e, per = self._pipelined(k, a, e, b, c)
         if n >= b:
@@ -215,11 +237,11 @@ class CostModel:
         drafting costs only what it outlasts the verification) and the round yields k tokens, not k + 1;
         otherwise the next block is drafted after the verification, as in a serial round."""
         sv = self.scale_v
-        v = sv * self.vcost(b * (k + 1))
+        v = sv * self.fwd(b, k + 1)
         dr = k * c * self.dcost(b)
         whole = clamp_alpha(a) ** k
         cost = v + (1.0 - whole) * dr + whole * max(0.0, dr - v)
-        return max(1e-6, e - whole), sv * self.vcost(b) / cost
+        return max(1e-6, e - whole), sv * self.fwd(b, 1) / cost
 
     def stop_threshold(self, hi: int) -> float:
         """The cumulative drafter probability below which a confident block stops (blocks up to hi).
@@ -234,10 +256,10 @@ class CostModel:
         share = b / n
         # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
         c_eff = (self.c * self.scale_d * self.dcost(n) * self.steps_per_token() * (share if self.colocated else 1.0)
-                 / (self.scale_v * self.vcost(b)))
+                 / (self.scale_v * self.fwd(b, 1)))
         # and a longer block costs a longer verification: the mean extra cost of one more token over
         # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
-        dv = share * max(0.0, self.vround(b, n, hi + 1) - self.vcost(b)) / (hi * self.vcost(b))
+        dv = share * max(0.0, self.vround(b, n, hi + 1) - self.fwd(b, 1)) / (hi * self.fwd(b, 1))
         return min(0.9, 1.4 * (c_eff + dv))
 
     def probe_cost(self, n: float, feed: int = 1) -> float:
@@ -247,7 +269,7 @@ class CostModel:
         verification that much longer."""
         b, nd = self.load()
         share = b / nd  # (as in stop_threshold)
-        sv, vb = self.scale_v, self.vcost(b)
+        sv, vb = self.scale_v, self.fwd(b, 1)
         steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
         drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
         return (drafter + sv * share * max(0.0, self.vround(b, nd, n + 1) - vb)) / (sv * vb)

@@ -73,6 +73,9 @@ class Decoder(Pipelining):
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.probe_record):
         # a pair's drafter gets text right more or less often
         self._probes: dict[str, tuple[float, float, float, float]] = {}
+        # the verifier's latest published price of a batched forward (crossdraft.runtime.price): a new
+        # request prices rows with it before its own rounds report one
+        self._price = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
 
@@ -118,6 +121,7 @@ class Decoder(Pipelining):
         pol.costs.pipelined = self.pipeline
         if pol.costs.measured:
             pol.resume(self._scales.get(mode), self._probes.get(mode))
+            pol.see_price(self._price)
         return pol, step_s
 
     def _verify(self, req: Request, drafted: Drafted, round_index: int):
@@ -224,8 +228,10 @@ class Decoder(Pipelining):
             # load this one would price is still climbing, and first blocks decided now would run their
             # drafter prefills on the cores verifying the burst's prompts. Start target-only: the first
             # round's end prices drafting at the load the burst settles at.
-            if not pol.first_block_pays(req.max_new_tokens, feed) or self._unsettled(req):
+            if not pol.first_block_pays(req.max_new_tokens, feed):
                 req.k = 0
+            elif self._unsettled(req):
+                req.k, pol.reason = 0, "starting"
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
             pol.drafter_missed(feed)  # (and a probe's cost counts that feed)
@@ -352,6 +358,11 @@ class Decoder(Pipelining):
             stats.prefill_s += res.forward_s
         else:
             stats.verify_s += res.forward_s
+        # what the chooser expected of this round (before it learns from it): the gateway's goodput metrics
+        # compare it with what the round yielded and took
+        predicted = (req.policy.predict(kd, 0 if was_ahead else len(drafted.tokens))
+                     if req.spec and req.step_s > 0 and req.policy.costs.measured else None)
+        skip_reason = req.policy.reason if req.spec and kd == 0 and req.k == 0 else ""
         if req.spec:
             self._learn(req, drafted, res, draft_wall, verify_wall)
         req.prev_drafted = len(drafted.tokens) > 0
@@ -382,11 +393,15 @@ class Decoder(Pipelining):
         overhead = time.perf_counter() - t_round - res.forward_s - on_path
         stats.overhead_s += overhead
         if self.log:
-            self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall)
+            self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall, skip_reason, predicted,
+                            req.step_s)
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps, drafted_ahead=was_ahead,
-                          ahead="" if ahead is None else "used" if following is not None else "dropped")
+                          ahead="" if ahead is None else "used" if following is not None else "dropped",
+                          skip_reason=skip_reason, speculative=req.spec, wall_s=time.perf_counter() - t_round,
+                          predicted_tokens=predicted[0] if predicted else 0.0,
+                          predicted_s=predicted[1] * req.step_s if predicted else 0.0)
 
     def _draft_step(self, req: Request, kk: int, remaining: int, round_index: int) -> Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""
@@ -434,6 +449,10 @@ class Decoder(Pipelining):
         # drafter drops out of the verifier's count of recent senders, and pricing with that
         # smaller count would have more sessions draft than pays
         pol.observe_batch(max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running))
+        # the verifier's price of a row and of a token now (batched verifiers publish it in every reply)
+        pol.see_price(getattr(res, "price", None))
+        if pol.costs.price is not None:
+            self._price = pol.costs.price
         # the average follows the reports; the requests in the loop now are a floor it must not lag
         # below (a burst's first requests start at a small load, and an average climbing 30% a round
         # would price their first rounds far below the load they share)
@@ -467,13 +486,20 @@ class Decoder(Pipelining):
             self._probes[req.mode] = req.policy.probe_record()
 
     def _log_round(self, req: Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
-                   verify_s: float) -> None:
+                   verify_s: float, skip_reason: str = "", predicted=None, step_s: float = 0.0) -> None:
         rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
                "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,
                "draft_s": round(draft_s, 4), "verify_s": round(verify_s, 4),
                "queue_wait_s": round(getattr(res, "queue_wait_s", 0.0), 4),
                "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
                "running": self._running}
+        if skip_reason:
+            rec["skip_reason"] = skip_reason
+        if predicted:
+            rec["predicted_tokens"], rec["predicted_s"] = round(predicted[0], 3), round(predicted[1] * step_s, 4)
+        price = getattr(res, "price", None)
+        if price is not None:
+            rec["price"] = [round(price.base_ms, 2), round(price.row_ms, 2), round(price.token_ms, 2), price.forwards]
         if req.spec:
             rec.update(req.policy.log_fields())
         self.log.write(rec)

@@ -55,3 +55,4 @@ class VerifyReply:
     queue_wait_s: float = 0.0  # time the block waited for its batch to start
     active_sessions: int = 1  # sessions sending blocks to this verifier lately (batched servers)
     logprobs: list | None = None  # per emitted token (accepted drafts, then next_token), when asked for
+    price: object | None = None  # the verifier's price of a forward now (crossdraft.runtime.price.Price)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from crossdraft.decoding.acceptance import AcceptanceModel, clamp_alpha
+from crossdraft.decoding.acceptance import AcceptanceModel, clamp_alpha, expected_tokens
 from crossdraft.decoding.costmodel import CostModel
 from crossdraft.errors import InvalidArgument, check_int
 
@@ -62,6 +62,18 @@ class DraftConfig:
             raise InvalidArgument("stop_cumulative", f"must be in [0, 1), got {self.stop_cumulative}")
         if self.resync_window < 1:
             raise InvalidArgument("resync_window", "must be >= 1")
+
+
+# why a round drafts nothing (DraftPolicy.reason):
+# - "acceptance": at this acceptance drafting would not pay even for a session alone with its drafter at
+#   its usual speed (the probes' pace rules the rounds);
+# - "load": it would pay alone, not with the sessions sharing the verifier's forwards now;
+# - "drafter busy": it would pay alone if the drafter stepped at its usual speed -- its steps take longer
+#   now (queued behind other sessions' steps, or its machine busy);
+# - "short": it pays, but too few tokens are left to win back what the drafter must catch up on first;
+# - "starting": a request's first round while a burst of requests is still starting (the gateway's
+#   round loop; the first round prices drafting at the load the burst settles at).
+SKIP_REASONS = ("acceptance", "load", "drafter busy", "short", "starting")
 
 
 class DraftPolicy:
@@ -125,6 +137,9 @@ class DraftPolicy:
         # right more or less often)
         self.hit_s, self.hit_n = self.hit_prior
         self.judge = False  # the block just observed was a probe: next_k scores its outcome
+        # why the latest choice drafts nothing ("" where it drafts; SKIP_REASONS): the round log, the
+        # verify_round span and the gateway's counters carry it
+        self.reason = ""
         self.whole = False  # (and it was accepted in full)
 
     # ---- what the round loop tells the policy ------------------------------------------------------
@@ -160,6 +175,10 @@ class DraftPolicy:
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
         """Measured mode: a round's wall-clock times against the predicted ones (CostModel.observe_time)."""
         self.costs.observe_time(steps, draft_s, m, verify_s, target_step_s)
+
+    def see_price(self, price) -> None:
+        """Measured mode: the verifier's published price of a batched forward (CostModel.see_price)."""
+        self.costs.see_price(price)
 
     def load_at_least(self, sessions: float) -> None:
         """At least ``sessions`` share the forwards now (the requests in the round loop): the load's
@@ -316,6 +335,35 @@ class DraftPolicy:
         rounds (target tokens) it missed."""
         return self.unfed if feed is None else max(1, int(feed))
 
+    def why_not(self) -> str:
+        """Why drafting does not pay now (SKIP_REASONS): priced again for a session alone (no load),
+        then also with the drafter at its table's speed; no state changes."""
+        c = self.costs
+        a = self.acceptance.alpha()
+        saved = c.batch, c.others, c.peer_alpha, c.scale_d
+        try:
+            c.batch, c.others, c.peer_alpha = 1.0, None, None
+            if self._pays_at(a):
+                return "load"
+            c.scale_d = min(1.0, saved[3])
+            return "drafter busy" if self._pays_at(a) else "acceptance"
+        finally:
+            c.batch, c.others, c.peer_alpha, c.scale_d = saved
+
+    def predict(self, drafted: int, steps: int) -> tuple[float, float]:
+        """Measured costs: what the chooser expects of a round that verifies ``drafted`` tokens drafted in
+        ``steps`` drafter steps, at the acceptance, costs and load it knows now: (tokens, cost in
+        target decoding steps). The gateway compares them with what the rounds yield and take (its
+        goodput metrics)."""
+        c = self.costs
+        b, n = c.load()
+        if drafted <= 0:
+            return 1.0, c.scale_v * c.fwd(b, 1)
+        e = expected_tokens(self.acceptance.alpha(), drafted)
+        v = c.scale_v * c.vround(b, n, drafted + 1)
+        dr = steps * c.c * c.scale_d * c.dcost(n)
+        return e, v + dr
+
     # ---- the choices --------------------------------------------------------------------------------
     def first_block_pays(self, remaining: int, feed: int) -> bool:
         """Measured costs, adaptive blocks that may skip: whether a new request drafts its first block
@@ -326,8 +374,10 @@ class DraftPolicy:
             # target): alone, probe at the slowest pace (the costs may be wrong, a probe corrects
             # them), under load not at all until the load falls (next_k, loaded_out)
             self.interval = self.wait = self.max_probe_every
+            self.reason = self.why_not()
             return False
         if self.costs.batch > 1.5 and not self.pays():
+            self.reason = self.why_not()
             return False  # drafting does not pay at this load (the policy probes later)
         if not self.worth_probing(remaining, feed):
             # a pair near its break-even, or a short completion: even text the drafter gets right would
@@ -335,6 +385,7 @@ class DraftPolicy:
             # session's later requests find most of it cached); the policy probes later if the request
             # is long enough
             self.interval = self.wait = self.probe_pace()
+            self.reason = "short"
             return False
         return True
 
@@ -360,12 +411,16 @@ class DraftPolicy:
             self.hit_s = d * self.hit_s + (1.0 if self.whole or best_rate >= need else 0.0)
             self.hit_n = d * self.hit_n + 1.0
         if cfg.allow_skip and best_rate < need:
-            return self._skip_or_probe(remaining, feed)
+            k = self._skip_or_probe(remaining, feed)
+            self.reason = "" if k else self.why_not()
+            return k
+        self.reason = ""
         if self.unfed > 1 and not self.worth_probing(remaining, self._feed(feed)):
             # drafting would pay, but the drafter has rounds (or, where the request started without
             # it, the prompt) to catch up on first, and too few tokens are left to win that back
             self.skipped += 1
             self.unfed += 1
+            self.reason = "short"
             return 0
         self.skipped = self.unfed = 0
         self.probing = False

@@ -118,3 +118,10 @@ class RoundEvent:
     # of the block drafted during this one ("" none, "used": verified next, "dropped")
     drafted_ahead: bool = False
     ahead: str = ""
+    # a speculative round that drafted nothing: why (crossdraft.decoding.policy.SKIP_REASONS; "" otherwise)
+    skip_reason: str = ""
+    speculative: bool = False  # the round belongs to a speculative request (a drafter, and use_drafter)
+    wall_s: float = 0.0  # the round's wall time in the round loop
+    # measured costs: what the chooser expected of the round (tokens, seconds; 0 = no prediction)
+    predicted_tokens: float = 0.0
+    predicted_s: float = 0.0

@@ -33,6 +33,7 @@ import torch
 from crossdraft.decoding.costmodel import interpolate_cost
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
+from crossdraft.runtime.price import PriceModel
 
 log = logging.getLogger("crossdraft.runtime.batching")
 
@@ -166,6 +167,9 @@ class BatchScheduler:
         # the model's measured ms per forward of 1, 2, ... tokens (crossdraft.runtime.costs; set by the worker
         # once timed): whether padding short rows to a longer one costs more than a forward of its own
         self.cost_ms: list[float] | None = None
+        # the price of a batched forward by rows and tokens, fitted from the forwards run (published
+        # in the replies: crossdraft.runtime.price)
+        self.prices = PriceModel()
         self.graphs = None
         use = cfg.cuda_graphs if cfg.cuda_graphs is not None else pool.device.type == "cuda"
         if use:
@@ -427,6 +431,7 @@ class BatchScheduler:
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
+            self.prices.observe(len(batch), tokens, dt)
             for j, out, w in zip(batch, outs, waits, strict=True):
                 j.result = out
                 j.wait_s = w

@@ -247,7 +247,12 @@ class _Worker:
                     self._timings = costs.forward_ms(self.loaded, m)
                     if self.scheduler is not None and self._timings:
                         self.scheduler.cost_ms = list(self._timings)  # (it cuts batches by their cost)
+                        self.scheduler.prices.set_prior(self._timings)  # (the price's prior)
         return self._timings
+
+    def price(self):
+        """The batch scheduler's current price of a forward (crossdraft.runtime.price); None unbatched."""
+        return self.scheduler.prices.price() if self.scheduler is not None else None
 
     def info(self) -> dict:
         if getattr(self, "_digest", None) is None:
@@ -394,7 +399,8 @@ class VerifierWorker(_Worker):
             return VerifyReply(o.num_accepted, o.next_token, list(o.accepted), res.forward_s, Expect.of(sess.ids),
                                batch_size=last.batch_rows if last else 1,
                                queue_wait_s=last.queue_wait_s if last else 0.0,
-                               active_sessions=last.active_sessions if last else 1, logprobs=res.logprobs)
+                               active_sessions=last.active_sessions if last else 1, logprobs=res.logprobs,
+                               price=self.price())
 
 
 class DrafterWorker(_Worker):

@@ -69,3 +69,24 @@ def sparse_from_proto(m: common_pb2.SparseDistribution, field: str) -> tuple[np.
     if ids.shape != probs.shape:
         raise InvalidArgument(field, f"{len(ids)} token_ids but {len(probs)} probs")
     return ids, probs
+
+
+def price_to_proto(p) -> common_pb2.Price | None:
+    """A server's price of a forward (crossdraft.runtime.price.Price) on the wire; None stays unset."""
+    if p is None:
+        return None
+    return common_pb2.Price(base_ms=p.base_ms, row_ms=p.row_ms, token_ms=p.token_ms, forwards=p.forwards)
+
+
+def price_from_proto(owner, field: str = "price"):
+    """The Price in ``owner``'s ``field``, or None where it is unset (an older or unbatched server) or
+    not a usable price (a peer's numbers are not trusted to be finite and positive)."""
+    from crossdraft.runtime.price import Price
+
+    if not owner.HasField(field):
+        return None
+    m = getattr(owner, field)
+    vals = (m.base_ms, m.row_ms, m.token_ms)
+    if not all(np.isfinite(v) and v >= 0 for v in vals) or m.base_ms + m.row_ms + m.token_ms <= 0:
+        return None
+    return Price(float(m.base_ms), float(m.row_ms), float(m.token_ms), int(m.forwards))

@@ -136,6 +136,8 @@ def test_concurrent_verifications_share_forwards_and_give_the_one_by_one_answers
     assert [shape[0] for shape in calls] == [n, n]
     assert (st.batches - before[0], st.rows - before[1]) == (2, 2 * n)
     assert sizes == [(n, n)] * n  # what each caller was told of its batches
+    # the price each reply publishes is fitted from every forward the scheduler ran (prefills included)
+    assert w.price().forwards == st.batches
 
 
 def test_a_lone_caller_does_not_wait_for_a_batch(target, tok_t, monkeypatch):

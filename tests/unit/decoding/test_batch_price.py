@@ -1,0 +1,117 @@
+"""The chooser of draft lengths priced by the verifier's published price of a batched forward
+(rows AND tokens, crossdraft.runtime.price) and why it drafts nothing when it does not
+(DraftPolicy.reason). Properties of the choice, with cost tables and prices given as numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from crossdraft.decoding.acceptance import expected_tokens
+from crossdraft.decoding.policy import SKIP_REASONS, DraftConfig, DraftPolicy
+from crossdraft.runtime.price import Price
+
+# one-row tables of a GPU (memory-bound: 17 tokens in one row cost about one) and its drafter, ms
+GPU_V = [30.0 + 0.02 * i for i in range(17)]
+GPU_D = [5.0 + 0.01 * i for i in range(17)]
+# what the verifier measures of its batches: flat in rows and tokens (a GPU), or growing with every
+# token (compute-bound: a CPU, or a GPU batch past its memory-bound range)
+FLAT = Price(base_ms=29.0, row_ms=0.05, token_ms=0.02, forwards=100)
+PER_TOKEN = Price(base_ms=5.0, row_ms=1.0, token_ms=10.0, forwards=100)
+PER_ROW = Price(base_ms=5.0, row_ms=12.0, token_ms=0.02, forwards=100)
+
+
+def _policy(rows: float, alpha: float, price: Price | None, *, others: float | None = None,
+            peer: float | None = None, colocated: bool = False, measured: bool = True) -> DraftPolicy:
+    p = DraftPolicy(DraftConfig(), 0.15, verify_costs=GPU_V if measured else None, drafter_costs=GPU_D,
+                    measured=measured)
+    p.expect_load(float(rows))
+    p.see_peers(others if others is not None else rows - 1.0, peer if peer is not None else alpha, colocated)
+    p.acceptance.succ, p.acceptance.trials = alpha, 1.0
+    p.see_price(price)
+    return p
+
+
+def _best_k(p: DraftPolicy) -> int:
+    return max(range(1, 11), key=p.rate) if p.pays() else 0
+
+
+def test_a_price_flat_in_rows_and_tokens_has_every_session_draft_under_load():
+    """16 sessions, all drafting at 80%: where a batch costs about one forward whatever its rows and
+    tokens, blocks are nearly free to verify and everyone drafts long ones."""
+    p = _policy(16, 0.8, FLAT)
+    assert p.costs.price is FLAT
+    assert p.pays() and _best_k(p) >= 3
+
+
+def test_a_price_that_grows_with_tokens_stops_drafting_under_load_but_not_alone():
+    """The one-row table says blocks are free (flat); the verifier's batches say every token costs.
+    At 16 sessions its price rules: no block size pays even at 90% acceptance. The table alone would
+    have had all 16 draft. Alone (one row) the table prices the block, and the session drafts."""
+    loaded = _policy(16, 0.9, PER_TOKEN)
+    assert not loaded.pays()
+    # (each token of a block costs what a token of a target-only round costs: at best break-even)
+    assert max(loaded.rate(k) for k in range(1, 11)) < 1.01
+    assert _policy(16, 0.9, None).pays()  # (no price: the table's view)
+    alone = _policy(1, 0.9, PER_TOKEN)
+    assert alone.pays() and _best_k(alone) >= 3
+
+
+def test_a_cost_per_row_alone_does_not_stop_drafting():
+    """Rows that cost much but tokens that do not: a block adds tokens to a row the batch pays for
+    anyway, so drafting keeps paying under load."""
+    p = _policy(16, 0.8, PER_ROW)
+    assert p.pays() and _best_k(p) >= 3
+
+
+def test_the_price_takes_over_gradually_with_the_load():
+    """The best rate falls as the sessions sharing a compute-bound verifier grow: never rising
+    with the load."""
+    best = [max(_policy(b, 0.85, PER_TOKEN).rate(k) for k in range(1, 11)) for b in (1, 2, 4, 8, 16, 32)]
+    assert best == sorted(best, reverse=True)
+    assert best[0] > 1.5 and best[-1] < 1.0
+
+
+def test_static_costs_and_an_unproven_price_are_not_used():
+    """Static costs never read a price (a seeded run replays anywhere); a price fitted from fewer
+    than a handful of forwards waits."""
+    static = _policy(16, 0.9, PER_TOKEN, measured=False)
+    assert static.costs.price is None
+    young = _policy(16, 0.9, Price(5.0, 1.0, 10.0, forwards=2))
+    assert young.costs.price is None
+    assert young.pays()  # priced by the table, as without a price
+
+
+@pytest.mark.parametrize("case", ["acceptance", "load", "drafter busy"])
+def test_a_round_that_drafts_nothing_says_why(case):
+    """The reason the chooser gives for k = 0 is the one that holds: hopeless text even alone
+    (acceptance), a session that would draft alone but not among 16 on a compute-bound verifier
+    (load), a drafter whose steps take 30x its table now (drafter busy)."""
+    if case == "acceptance":
+        p = _policy(1, 0.02, FLAT)
+    elif case == "load":
+        p = _policy(16, 0.9, PER_TOKEN)
+    else:
+        p = _policy(1, 0.9, FLAT)
+        p.costs.scale_d = 30.0
+    assert p.reason == ""
+    ks = [p.next_k(remaining=1000) for _ in range(3)]
+    assert ks == [0, 0, 0]
+    assert p.reason == case and case in SKIP_REASONS
+    # and the reason is gone once the cause is: the same session alone, on drafter-friendly text, with
+    # its drafter back at speed
+    p.costs.batch, p.costs.others, p.costs.scale_d = 1.0, None, 1.0
+    p.acceptance.succ, p.acceptance.trials = 0.9, 1.0
+    assert p.next_k(remaining=1000) > 0 and p.reason == ""
+
+
+def test_the_prediction_of_a_round_is_the_chooser_s_own_pricing():
+    """What the chooser expects of a round (the gateway's goodput metrics compare it with what the
+    round gives): one token at one target step's (batched) cost without drafts; with d drafts the
+    expected tokens of d at its acceptance, at a cost that grows with d."""
+    p = _policy(16, 0.8, PER_TOKEN)
+    tok0, cost0 = p.predict(0, 0)
+    assert tok0 == 1.0 and cost0 == pytest.approx(p.costs.scale_v * p.costs.fwd(16, 1))
+    preds = [p.predict(d, d) for d in range(1, 8)]
+    assert [t for t, _ in preds] == pytest.approx([expected_tokens(p.acceptance.alpha(), d) for d in range(1, 8)])
+    costs = [c for _, c in preds]
+    assert costs == sorted(costs) and costs[0] > cost0

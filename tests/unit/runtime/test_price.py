@@ -1,0 +1,79 @@
+"""The model servers' price of a batched forward (crossdraft.runtime.price): fitted online from the
+forwards' rows, tokens and times. The times here are synthetic numbers fed to the fit (what a
+scheduler would measure), so every check is exact arithmetic, not a clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from crossdraft.runtime.price import Price, PriceModel
+from crossdraft.serving import wire
+from crossdraft.v1 import verifier_pb2
+
+# a one-row table: 20 ms for one token, +1.5 ms per further token
+TABLE = [20.0 + 1.5 * i for i in range(64)]
+
+
+def _feed(model: PriceModel, cost, shapes) -> None:
+    for rows, tokens in shapes:
+        model.observe(rows, tokens, cost(rows, tokens) / 1e3)
+
+
+def test_the_fit_recovers_a_linear_cost_from_mixed_batches():
+    """Batches with blocks (more tokens than rows) and without: base, per-row and per-token costs
+    all come out, whatever the prior said."""
+    m = PriceModel(TABLE)
+    shapes = [(r, r * t) for r, t in itertools.product((1, 2, 4, 8, 16), (1, 2, 5))] * 3
+    _feed(m, lambda r, t: 12.0 + 6.0 * r + 2.5 * t, shapes)
+    p = m.price()
+    assert p.forwards == len(shapes)
+    assert (p.base_ms, p.row_ms, p.token_ms) == pytest.approx((12.0, 6.0, 2.5), rel=0.05)
+
+
+def test_target_only_batches_put_the_per_row_extra_in_the_row_cost():
+    """Only one token per row (target-only rounds: tokens = rows) fixes row + token but not the
+    split: the token slope stays at the one-row table's (1.5 ms) and the rest of each row's cost
+    lands in row_ms, so a block priced on top of the batch costs the table's slope per token."""
+    m = PriceModel(TABLE)
+    _feed(m, lambda r, t: 18.0 + 9.0 * r + 1.5 * t, [(r, r) for r in range(1, 17)] * 4)
+    p = m.price()
+    assert p.token_ms == pytest.approx(1.5, rel=0.1)
+    assert p.row_ms == pytest.approx(9.0, rel=0.1)
+    assert p.ms(16, 16) == pytest.approx(18.0 + 16 * 10.5, rel=0.02)
+
+
+def test_the_price_follows_a_machine_that_slows_down():
+    """Old forwards weigh less with every new one: after the machine becomes twice as slow, the
+    price of a 16-row batch moves from the old cost to (near) the new one."""
+    m = PriceModel(TABLE)
+    shapes = [(r, r * t) for r, t in itertools.product((2, 8, 16), (1, 3))]
+    _feed(m, lambda r, t: 10.0 + 4.0 * r + 2.0 * t, shapes * 20)
+    before = m.price().ms(16, 16)
+    _feed(m, lambda r, t: 2 * (10.0 + 4.0 * r + 2.0 * t), shapes * 30)
+    after = m.price().ms(16, 16)
+    assert before == pytest.approx(10 + 64 + 32, rel=0.05)
+    assert after == pytest.approx(2 * (10 + 64 + 32), rel=0.05)
+
+
+def test_a_price_never_falls_with_more_rows_or_tokens():
+    """Forwards that cost less the more tokens they carry (noise over a narrow range) give a flat
+    token price, not a negative one; a forward with nothing in it is not data."""
+    m = PriceModel(TABLE)
+    _feed(m, lambda r, t: 100.0 - 3.0 * t + 5.0 * r, [(4, 4), (4, 8), (4, 12), (4, 16)] * 200)
+    m.observe(0, 0, 1.0)
+    m.observe(3, 3, 0.0)
+    p = m.price()
+    assert p.token_ms >= 0 and p.row_ms >= 0 and p.base_ms > 0
+    assert p.forwards == 800
+    assert p.ms(8, 16) >= p.ms(4, 16) >= p.ms(4, 4)
+
+
+def test_the_price_crosses_the_wire_and_a_bad_one_is_dropped():
+    r = verifier_pb2.VerifyResponse(price=wire.price_to_proto(Price(10.0, 2.0, 0.5, 42)))
+    assert wire.price_from_proto(verifier_pb2.VerifyResponse.FromString(r.SerializeToString())) == \
+        Price(10.0, 2.0, 0.5, 42)
+    assert wire.price_from_proto(verifier_pb2.VerifyResponse()) is None  # an older or unbatched verifier
+    for bad in (Price(float("nan"), 1, 1), Price(-5, 1, 1), Price(0, 0, 0), Price(1, float("inf"), 0)):
+        assert wire.price_from_proto(verifier_pb2.VerifyResponse(price=wire.price_to_proto(bad))) is None
