@@ -74,9 +74,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                           int(request.round_index), params, int(request.seed), float(request.stop_below),
                           request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
                           position=int(request.position) or -1)
-        return self._stream(it, context, int(request.num_draft_tokens))
+        return self._stream(it, context, int(request.num_draft_tokens), w)
 
-    def _stream(self, it, context, k: int):
+    def _stream(self, it, context, k: int, w):
         n = 0
         ended = False
         try:
@@ -88,6 +88,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     time.sleep(self.delay_s)
                 msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
                                              heals=tok.heals)
+                if tok.last:  # the stream's last message carries the drafter's price of a step
+                    price = wire.price_to_proto(w.price())
+                    if price is not None:
+                        msg.price.CopyFrom(price)
                 if tok.q_ids is not None:
                     msg.q_token_ids.extend(tok.q_ids.tolist())
                     msg.q_probs.extend(tok.q_probs.tolist())
@@ -98,7 +102,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         finally:
             it.close()
         if not ended:  # one message per proposal on the hot path; the summary only when no proposal ended it
-            yield drafter_pb2.DraftResponse(done=drafter_pb2.DraftDone(num_tokens=n, stop_reason="length"))
+            yield drafter_pb2.DraftResponse(done=drafter_pb2.DraftDone(num_tokens=n, stop_reason="length",
+                                                                       price=wire.price_to_proto(w.price())))
 
     def Commit(self, request, context):
         exp = self.state.get().commit(request.session_id, _edit(request), _expect(request))

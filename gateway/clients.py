@@ -182,6 +182,12 @@ class RemoteDrafter(_Remote):
 
     def __init__(self, address, tracer=None, timeout_s: float = 30.0, tls=None):
         super().__init__(address, tracer, timeout_s, tls)
+        self._price = None  # the drafter's latest published price of a batched step
+
+    def price(self):
+        """The drafter's price of a batched step, as its latest Draft stream ended with (None: none yet,
+        or an unbatched or older drafter)."""
+        return self._price
 
     def _fetch_info(self) -> dict:
         r = self._call("GetDrafterInfo", self.stub.GetDrafterInfo, drafter_pb2.GetDrafterInfoRequest(), 10)
@@ -243,6 +249,10 @@ class RemoteDrafter(_Remote):
                         q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
                         toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
                                                heals=t.heals and not toks))
+                        if t.last:
+                            self._price = wire.price_from_proto(t) or self._price
+                    elif m.HasField("done"):
+                        self._price = wire.price_from_proto(m.done) or self._price
                     if cancel is not None and cancel.is_set():
                         stream.cancel()
                         span.set_attribute("crossdraft.cancelled", True)

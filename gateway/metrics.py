@@ -85,7 +85,7 @@ def stats_dict(stats) -> dict:
         "accepted": d["accepted"], "acceptance_rate": d["acceptance_rate"],
         "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
         "skipped_rounds": d["skipped_rounds"], "pipelined_blocks": d["pipelined_blocks"],
-        "dropped_blocks": d["dropped_blocks"], "drafter_fallback": d["drafter_fallback"],
+        "dropped_blocks": d["dropped_blocks"], "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
         "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
         "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
@@ -96,7 +96,7 @@ def add_stats(total: dict, s: dict) -> dict:
     """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "pipelined_blocks", "dropped_blocks",
-              "prefill_ms", "draft_ms", "verify_ms",
+              "caught_up", "prefill_ms", "draft_ms", "verify_ms",
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0

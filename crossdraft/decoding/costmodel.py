@@ -76,6 +76,8 @@ class CostModel:
         self.pipelined = False
         # the verifier's published price of a batched forward by rows and tokens (measured mode; fwd)
         self.price = None
+        # and the drafter's price of a batched step (dcost)
+        self.dprice = None
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
         # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
@@ -106,14 +108,29 @@ class CostModel:
             return self.vcost(rows * m)
         return p.ms(rows, rows * m) / p.ms(1, 1)
 
-    def see_price(self, price) -> None:
-        """Measured costs: the verifier's price of a forward now (crossdraft.runtime.price.Price; None:
-        none published). A price fitted from fewer than ``price_forwards`` forwards is not used yet."""
-        if self.measured and price is not None and price.forwards >= self.price_forwards and price.valid():
+    def see_price(self, price, drafter=None) -> None:
+        """Measured costs: the verifier's price of a forward now and the drafter's of a step
+        (crossdraft.runtime.price.Price; None: none published, the last one stays). A price fitted from
+        fewer than ``price_forwards`` forwards is not used yet."""
+        if not self.measured:
+            return
+        if price is not None and price.forwards >= self.price_forwards and price.valid():
             self.price = price
+        if drafter is not None and drafter.forwards >= self.price_forwards and drafter.valid():
+            self.dprice = drafter
 
     def dcost(self, n: float) -> float:
-        """Cost of a drafter forward over n rows of one token, in drafter steps."""
+        """Cost of a drafter step over n rows of one token (n sessions' steps batched), in drafter steps:
+        the drafter's published price of that many rows against its one-row step where it has one
+        (:mod:`crossdraft.runtime.price`: rows cost more in a batch than tokens in one row), else the
+        one-row table's forward of n tokens (without a table: n)."""
+        p = self.dprice
+        if p is not None and n > 1:
+            return p.ms(n, n) / p.ms(1, 1)
+        return self.dfeed(n)
+
+    def dfeed(self, n: float) -> float:
+        """Cost of a drafter forward over one row of n tokens (a catch-up feed), in drafter steps."""
         return interpolate_cost(self.d, n, 1.0) if self.d else max(1.0, n)
 
     def steps_per_token(self) -> float:
@@ -270,7 +287,7 @@ class CostModel:
         b, nd = self.load()
         share = b / nd  # (as in stop_threshold)
         sv, vb = self.scale_v, self.fwd(b, 1)
-        steps = self.dcost(max(1, feed)) + self.steps_per_token() * n - 1.0
+        steps = self.dfeed(max(1, feed)) + self.steps_per_token() * n - 1.0
         drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
         return (drafter + sv * share * max(0.0, self.vround(b, nd, n + 1) - vb)) / (sv * vb)
 

@@ -75,7 +75,7 @@ class Decoder(Pipelining):
         self._probes: dict[str, tuple[float, float, float, float]] = {}
         # the verifier's latest published price of a batched forward (crossdraft.runtime.price): a new
         # request prices rows with it before its own rounds report one
-        self._price = None
+        self._price = self._dprice = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
 
@@ -121,7 +121,7 @@ class Decoder(Pipelining):
         pol.costs.pipelined = self.pipeline
         if pol.costs.measured:
             pol.resume(self._scales.get(mode), self._probes.get(mode))
-            pol.see_price(self._price)
+            pol.see_price(self._price, self._dprice)
         return pol, step_s
 
     def _verify(self, req: Request, drafted: Drafted, round_index: int):
@@ -347,8 +347,14 @@ class Decoder(Pipelining):
         # (pipelined) the next block, drafted while this one is verified
         req.ahead = self._draft_ahead(req, drafted, remaining, round_index) if self.pipeline else None
         # 2. verify them in one target forward: the accepted drafts and the target's own next token
+        # (pipelined) a round that drafts nothing before a probe: the drafter catches up meanwhile
+        catch = self._catch_up(req, kk)
         t_verify = time.perf_counter()
-        res = self._verify(req, drafted, round_index)
+        try:
+            res = self._verify(req, drafted, round_index)
+        finally:
+            if catch is not None:
+                self._caught_up(req, catch)
         verify_wall = time.perf_counter() - t_verify
         kd, n = len(drafted.target_ids), res.num_accepted
         ahead, req.ahead = req.ahead, None
@@ -389,7 +395,7 @@ class Decoder(Pipelining):
             self._next_block(req, drafted, n, res.next_token)
         # the round's time outside the model time on its critical path: the verification, the drafting
         # done in this round, and the part of the block drafted ahead that the round waited for
-        on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0)
+        on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0) + (catch.waited_s if catch else 0.0)
         overhead = time.perf_counter() - t_round - res.forward_s - on_path
         stats.overhead_s += overhead
         if self.log:
@@ -450,9 +456,9 @@ class Decoder(Pipelining):
         # smaller count would have more sessions draft than pays
         pol.observe_batch(max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running))
         # the verifier's price of a row and of a token now (batched verifiers publish it in every reply)
-        pol.see_price(getattr(res, "price", None))
-        if pol.costs.price is not None:
-            self._price = pol.costs.price
+        dprice = getattr(self.drafter, "price", None)
+        pol.see_price(getattr(res, "price", None), dprice() if dprice is not None else None)
+        self._price, self._dprice = pol.costs.price, pol.costs.dprice
         # the average follows the reports; the requests in the loop now are a floor it must not lag
         # below (a burst's first requests start at a small load, and an average climbing 30% a round
         # would price their first rounds far below the load they share)
@@ -497,9 +503,10 @@ class Decoder(Pipelining):
             rec["skip_reason"] = skip_reason
         if predicted:
             rec["predicted_tokens"], rec["predicted_s"] = round(predicted[0], 3), round(predicted[1] * step_s, 4)
-        price = getattr(res, "price", None)
-        if price is not None:
-            rec["price"] = [round(price.base_ms, 2), round(price.row_ms, 2), round(price.token_ms, 2), price.forwards]
+        for key, price in (("price", getattr(res, "price", None)),
+                           ("drafter_price", req.policy.costs.dprice if req.spec else None)):
+            if price is not None:
+                rec[key] = [round(price.base_ms, 2), round(price.row_ms, 2), round(price.token_ms, 2), price.forwards]
         if req.spec:
             rec.update(req.policy.log_fields())
         self.log.write(rec)

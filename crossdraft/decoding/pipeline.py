@@ -17,6 +17,12 @@ lossless for rejection sampling, coupled draws and greedy decoding alike.
 
 :class:`Ahead` is one block drafted ahead (a call on a worker thread); :func:`can_draft_ahead` says
 whether a round's block can have a successor drafted before its outcome is known.
+
+The same overlap serves a drafter that is not drafting. While drafting does not pay, the drafter is
+fed nothing (target-only rounds), and the probe that re-measures it would first feed it every token
+it missed -- on the probe's critical path. So in the round before a probe is due, the drafter gets
+that history while the verifier checks the round (:class:`CatchUp`: a sync that computes its keys
+and values), and the probe's first forward feeds only the round's own token.
 """
 
 from __future__ import annotations
@@ -128,6 +134,29 @@ class Ahead:
         return min(self.waited_s, self.model_s)
 
 
+class CatchUp:
+    """The drafter catching up on the tokens it missed (a sync with prefill of ``ids``), on a worker
+    thread while the caller verifies a round that drafted nothing."""
+
+    def __init__(self, drafter, sid: str, ids: list[int]):
+        self.n = len(ids)
+        self.waited_s = 0.0
+        ctx = contextvars.copy_context()
+        self._future: Future = Ahead._executor().submit(ctx.run, drafter.sync, sid, list(ids), True)
+
+    def wait(self) -> bool:
+        """Whether the drafter now holds the ids (False: the call failed; the probe's own draft then
+        feeds them, or finds the drafter gone, as without a catch-up). Records the caller's wait."""
+        t0 = time.perf_counter()
+        try:
+            self._future.result()
+            return True
+        except (Unavailable, ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition):
+            return False
+        finally:
+            self.waited_s = time.perf_counter() - t0
+
+
 def can_draft_ahead(pair: TokenPair, proposals: list[int], target_ids: list[int], healed: bytes, text_mode: bool,
                     eos: set[int], remaining: int) -> bool:
     """Whether a block can have its successor drafted before it is verified: it ends no output (no EOS
@@ -176,6 +205,21 @@ class Pipelining:
         edit, expect = (len(d.ids), proposals), self._expect(d.ids + proposals)
         sid, drafter = req.sid, self.drafter
         return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1, cancel)
+
+    def _catch_up(self, req: Request, kk: int) -> CatchUp | None:
+        """A round that drafts nothing, after which the policy's next choice is a probe: feed the drafter
+        what it missed while this round is verified (None where nothing needs catching up)."""
+        if not (self.pipeline and req.spec and kk == 0 and req.d is not None and req.policy is not None):
+            return None
+        if req.d.unfed() <= 1 or not req.policy.probe_next():
+            return None
+        return CatchUp(self.drafter, req.sid, req.d.ids)
+
+    def _caught_up(self, req: Request, catch: CatchUp) -> None:
+        """After the verification: the drafter holds the ids it was sent (unless the call failed)."""
+        if catch.wait():
+            req.d.sent, req.d.synced = catch.n, True
+            req.stats.caught_up += 1
 
     def _take_ahead(self, req: Request, ahead: Ahead, kd: int, n: int, remaining: int) -> "Drafted | None":
         """Wait for the block drafted ahead; it is the next block if this one was accepted whole, else it

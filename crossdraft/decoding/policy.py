@@ -176,9 +176,10 @@ class DraftPolicy:
         """Measured mode: a round's wall-clock times against the predicted ones (CostModel.observe_time)."""
         self.costs.observe_time(steps, draft_s, m, verify_s, target_step_s)
 
-    def see_price(self, price) -> None:
-        """Measured mode: the verifier's published price of a batched forward (CostModel.see_price)."""
-        self.costs.see_price(price)
+    def see_price(self, price, drafter=None) -> None:
+        """Measured mode: the verifier's published price of a batched forward and the drafter's of a
+        batched step (CostModel.see_price)."""
+        self.costs.see_price(price, drafter)
 
     def load_at_least(self, sessions: float) -> None:
         """At least ``sessions`` share the forwards now (the requests in the round loop): the load's
@@ -329,6 +330,15 @@ class DraftPolicy:
             return self.max_probe_every
         need = math.ceil(self.probe_odds() * self.probe_cost() / s)
         return min(self.max_probe_every, max(self.probe_every, need))
+
+    def probe_next(self) -> bool:
+        """Whether the next :meth:`next_k` is due to send a probe (rounds are being skipped and the wait
+        ends with the next one; under a load that rules drafting out there is none): the round loop can
+        feed the drafter what it missed during this round (crossdraft.decoding.pipeline.CatchUp). No
+        state changes."""
+        cfg = self.cfg
+        return (cfg.adaptive and cfg.allow_skip and self.skipped > 0 and not self.probing and self.wait <= 1
+                and not self.loaded_out())
 
     def _feed(self, feed: int | None) -> int:
         """What a probe's first forward feeds the drafter: the decoder's exact count, else the

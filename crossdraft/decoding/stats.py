@@ -32,6 +32,9 @@ class Stats:
     # blocks drafted ahead but dropped (the previous block was not accepted whole)
     pipelined_blocks: int = 0
     dropped_blocks: int = 0
+    # (pipelined) rounds that drafted nothing during whose verification the drafter was fed what it had
+    # missed, before a probe (crossdraft.decoding.pipeline.CatchUp)
+    caught_up: int = 0
     cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
     # how each token was chosen: "greedy" (argmax), "coupled" (a function of (seed, position): the same
     # text with or without a drafter) or "rejection" (the classic accept/resample rule)

@@ -184,6 +184,11 @@ def test_models_vocab_health_metrics(stack):
                  "crossdraft_accepted_tokens_total", "crossdraft_accepted_by_position_total",
                  'crossdraft_round_seconds_bucket{le="0.001",phase="overhead"}', "crossdraft_completion_tokens_total"):
         assert name in text, name
+    # the chooser of draft lengths: every speculative round lands in the histogram of blocks verified
+    hist = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+            if ln.startswith("crossdraft_draft_length_")}
+    assert hist["crossdraft_draft_length_count"] >= 1
+    assert hist['crossdraft_draft_length_bucket{le="+Inf"}'] == hist["crossdraft_draft_length_count"]
 
 
 def test_health_and_reflection_on_every_service(stack):

@@ -807,3 +807,26 @@ def test_servers_healthy_and_unchanged_after_fuzzing(servers):
     assert (r.num_accepted, r.next_token_id, list(r.accepted), r.context.length, r.context.crc32) == \
         servers.baseline["verify"]
     assert not math.isnan(r.forward_ms)
+
+
+def test_every_verify_reply_publishes_the_verifier_s_price(servers):
+    """A batched verifier's replies carry its price of a forward (crossdraft/runtime/price.py), fitted
+    from every forward it ran: the count grows by exactly the one forward a lone block costs, and the
+    price of a forward grows with its rows and tokens."""
+    from crossdraft.serving import wire
+
+    v = servers.stubs["verifier"]
+    ids = _history(servers.v_vocab, 24, 7)
+    v.SyncVerifierSession(verifier_pb2.SyncVerifierSessionRequest(session_id="price", token_ids=ids),
+                          timeout=CALL_TIMEOUT_S)
+    try:
+        r1 = v.Verify(verifier_pb2.VerifyRequest(session_id="price", expect=_check(ids), draft_token_ids=[1, 2],
+                                                 params=GREEDY), timeout=CALL_TIMEOUT_S)
+        r2 = v.Verify(verifier_pb2.VerifyRequest(session_id="price", draft_token_ids=[], params=GREEDY),
+                      timeout=CALL_TIMEOUT_S)
+    finally:
+        v.EndVerifierSession(verifier_pb2.EndVerifierSessionRequest(session_id="price"), timeout=CALL_TIMEOUT_S)
+    p1, p2 = wire.price_from_proto(r1), wire.price_from_proto(r2)
+    assert p1 is not None and p2 is not None
+    assert p1.forwards >= 1 and p2.forwards == p1.forwards + 1
+    assert p2.ms(1, 1) > 0 and p2.ms(8, 40) >= p2.ms(8, 8) >= p2.ms(1, 1)

@@ -115,3 +115,25 @@ def test_the_prediction_of_a_round_is_the_chooser_s_own_pricing():
     assert [t for t, _ in preds] == pytest.approx([expected_tokens(p.acceptance.alpha(), d) for d in range(1, 8)])
     costs = [c for _, c in preds]
     assert costs == sorted(costs) and costs[0] > cost0
+
+
+def test_a_drafter_whose_batched_steps_cost_per_row_has_fewer_sessions_draft():
+    """The drafter's capacity counts: its one-row table says a step of 16 sessions costs about one
+    (flat, like the GPU's), its published price says each row costs (a drafter that is the
+    bottleneck). Then 16 sessions drafting together do not pay where its table said they would;
+    a drafter whose batched steps are flat (its price agrees with the table) keeps them drafting,
+    and one session alone is priced by its own step whatever the price."""
+    def drafting(dprice):
+        p = _policy(16, 0.8, FLAT, colocated=True)
+        p.costs.see_price(FLAT, dprice)
+        return p
+
+    per_row = Price(base_ms=1.0, row_ms=4.0, token_ms=0.0, forwards=100)
+    flat = Price(base_ms=5.0, row_ms=0.01, token_ms=0.01, forwards=100)
+    assert drafting(None).pays() and drafting(flat).pays()
+    assert not drafting(per_row).pays()
+    assert drafting(per_row).costs.dcost(16) == pytest.approx(per_row.ms(16, 16) / per_row.ms(1, 1))
+    alone = _policy(1, 0.8, FLAT, colocated=True)
+    before = [alone.rate(k) for k in range(1, 11)]
+    alone.costs.see_price(FLAT, per_row)
+    assert [alone.rate(k) for k in range(1, 11)] == pytest.approx(before)

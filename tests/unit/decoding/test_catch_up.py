@@ -1,0 +1,124 @@
+"""The drafter's catch-up off the critical path (crossdraft.decoding.pipeline.CatchUp): while drafting
+does not pay, the drafter is fed nothing; in the round before a probe it is synced with everything it
+missed while the verifier checks that round, so the probe's first forward feeds only the round's own
+token.
+
+Tiny random models in process: a target and a much smaller drafter that does not agree with it
+(acceptance near 0), static costs (the rounds and probes do not depend on timing). Work is counted
+and ordered, never timed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from crossdraft.decoding import pipeline as P
+from crossdraft.engine import DraftConfig, Engine
+from tests.tiny_models import tiny_lm
+
+PROMPT = "def add(a, b):\n    return"
+STATIC = DraftConfig(cost_model="static")
+
+
+@pytest.fixture(scope="module")
+def hopeless(tok_t, tmp_path_factory):
+    target = tiny_lm(tok_t, seed=1, hidden=64, arch="qwen2", with_eos=False)
+    drafter = tiny_lm(tok_t, seed=9, hidden=16, layers=1, arch="qwen2")
+    return Engine(target, drafter, vocab_cache_dir=tmp_path_factory.mktemp("vocab"), pipeline="on")
+
+
+class Recording:
+    """The drafter port, recording each Draft's edit (what it feeds before drafting) and each sync."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.events: list[tuple] = []
+
+    def sync(self, sid, ids, prefill=False):
+        self.events.append(("sync", len(ids), prefill))
+        return self.inner.sync(sid, ids, prefill)
+
+    def draft(self, sid, edit, *a, **kw):
+        self.events.append(("draft", len(edit[1]) if edit else 0))
+        return self.inner.draft(sid, edit, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _probe_feeds(events) -> list[int]:
+    """Tokens each Draft after the first fed the drafter."""
+    return [e[1] for e in events if e[0] == "draft"][1:]
+
+
+def test_a_probe_after_skipped_rounds_finds_the_drafter_caught_up(hopeless):
+    dec = hopeless.decoder
+    ref = hopeless.generate(PROMPT, max_new_tokens=80, use_drafter=False)
+    inner = dec.drafter
+    try:
+        dec.drafter = serial_port = Recording(inner)
+        dec.pipeline = False
+        serial = hopeless.generate(PROMPT, max_new_tokens=80, draft=STATIC)
+        dec.drafter = piped_port = Recording(inner)
+        dec.pipeline = True
+        piped = hopeless.generate(PROMPT, max_new_tokens=80, draft=STATIC)
+    finally:
+        dec.drafter, dec.pipeline = inner, False
+    assert serial.token_ids == piped.token_ids == ref.token_ids
+    # the drafter stopped paying, rounds were skipped, and probes came back
+    assert piped.stats.skipped_rounds > 5
+    # serial: each probe after a stretch of skipped rounds feeds the stretch itself, on its path
+    assert serial.stats.caught_up == 0
+    stretches = [n for n in _probe_feeds(serial_port.events) if n > 2]
+    assert len(stretches) >= 2
+    # pipelined: those probes were each preceded by a catch-up sync, and every Draft feeds one or two tokens
+    catch_ups = [e for e in piped_port.events if e[0] == "sync" and e[2]]
+    assert piped.stats.caught_up == len(catch_ups) == len(stretches)
+    assert max(_probe_feeds(piped_port.events)) <= 2
+    # and the probes (and the rounds) are the same: the catch-up moved work, it did not change choices
+    assert piped.stats.rounds == serial.stats.rounds and piped.stats.drafted == serial.stats.drafted
+
+
+def test_the_catch_up_runs_while_the_round_is_verified(hopeless, monkeypatch):
+    """Work ordering, not clocks: each Verify of a round with a catch-up waits until the drafter's sync
+    has finished -- which only a sync running during the Verify can do."""
+    made: list[threading.Event] = []
+
+    class Recorded(P.CatchUp):
+        def __init__(self, drafter, sid, ids):
+            done = threading.Event()
+            made.append(done)
+
+            class Signal:
+                def sync(self, *a):
+                    try:
+                        return drafter.sync(*a)
+                    finally:
+                        done.set()
+            super().__init__(Signal(), sid, ids)
+
+    monkeypatch.setattr(P, "CatchUp", Recorded)
+    dec = hopeless.decoder
+    verifier = dec.verifier
+    overlapped: list[bool] = []
+    seen = [0]
+
+    class Ordering:
+        def verify(self, *a, **kw):
+            if len(made) > seen[0]:  # this round started a catch-up: it must finish before this Verify does
+                seen[0] = len(made)
+                overlapped.append(made[-1].wait(timeout=60))
+            return verifier.verify(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(verifier, name)
+
+    try:
+        dec.verifier, dec.pipeline = Ordering(), True
+        out = hopeless.generate(PROMPT, max_new_tokens=80, draft=STATIC)
+    finally:
+        dec.verifier, dec.pipeline = verifier, False
+    assert overlapped and all(overlapped)
+    assert len(overlapped) == out.stats.caught_up
