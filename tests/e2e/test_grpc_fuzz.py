@@ -830,3 +830,24 @@ def test_every_verify_reply_publishes_the_verifier_s_price(servers):
     assert p1 is not None and p2 is not None
     assert p1.forwards >= 1 and p2.forwards == p1.forwards + 1
     assert p2.ms(1, 1) > 0 and p2.ms(8, 40) >= p2.ms(8, 8) >= p2.ms(1, 1)
+
+
+def test_a_draft_stream_ends_with_the_drafter_s_price(servers):
+    """The last message of a Draft stream (the last proposal, or the summary when the block ran to its
+    length) carries the drafter's price of a batched step, fitted from every forward it ran."""
+    from crossdraft.serving import wire
+
+    d = servers.stubs["drafter"]
+    ids = _history(servers.d_vocab, 24, 8)
+    d.SyncDrafterSession(drafter_pb2.SyncDrafterSessionRequest(session_id="dprice", token_ids=ids),
+                         timeout=CALL_TIMEOUT_S)
+    try:
+        msgs = list(d.Draft(drafter_pb2.DraftRequest(session_id="dprice", expect=_check(ids), num_draft_tokens=3,
+                                                     params=GREEDY), timeout=CALL_TIMEOUT_S))
+    finally:
+        d.EndDrafterSession(drafter_pb2.EndDrafterSessionRequest(session_id="dprice"), timeout=CALL_TIMEOUT_S)
+    last = msgs[-1]
+    price = wire.price_from_proto(last.done if last.HasField("done") else last.token)
+    assert price is not None and price.forwards >= 3 and price.ms(1, 1) > 0
+    # only the last message carries it (one message per proposal on the hot path)
+    assert not any(m.token.HasField("price") for m in msgs[:-1] if m.HasField("token"))

@@ -238,13 +238,21 @@ def test_ended_sessions_give_their_blocks_back(target, tok_t):
         w.scheduler.close()
 
 
-def test_round_loops_over_batched_workers_match_the_unbatched_engine(target, drafter, tok_t, tok_d):
+@pytest.mark.parametrize("chooser", ["fixed", "priced"])
+def test_round_loops_over_batched_workers_match_the_unbatched_engine(target, drafter, tok_t, tok_d, chooser,
+                                                                     monkeypatch):
     """Several requests through the shared round loop at once, with drafting and verification
-    both batched: every one gives the tokens it gives alone (greedy, TLI and target-only)."""
+    both batched: every one gives the tokens it gives alone (greedy, TLI and target-only) -- with
+    fixed blocks, and with the adaptive chooser priced by the servers' measured tables and the
+    verifier's published price (crossdraft.runtime.price), which the round loop took up."""
     pair = TokenPair(tok_t, tok_d, target.vocab_size, drafter.vocab_size)
     texts = ["hello world", "the cat sat on", "def f(x): return", "a b c d e f g", "once upon a time", "x = 1"]
     params = SamplingParams()
-    cfg = DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli")
+    if chooser == "fixed":
+        cfg = DraftConfig(num_draft_tokens=3, adaptive=False, mode="tli")
+    else:
+        monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+        cfg = DraftConfig(mode="tli", cost_model="measured")
 
     def run(dec, i, use_drafter=True):
         t_ids, d_ids = pair.encode_target(texts[i]), pair.encode_drafter(texts[i])
@@ -272,7 +280,10 @@ def test_round_loops_over_batched_workers_match_the_unbatched_engine(target, dra
         db.scheduler.close()
     assert got == want
     assert vb.scheduler.stats.rows > vb.scheduler.stats.batches  # verification was batched
-    assert db.scheduler.stats.rows > db.scheduler.stats.batches  # so was drafting (pruned heads per row)
+    if chooser == "fixed":
+        assert db.scheduler.stats.rows > db.scheduler.stats.batches  # so was drafting (pruned heads per row)
+    else:  # the round loop holds the verifier's latest price, fitted from (at least) 8 forwards
+        assert dec._price is not None and dec._price.forwards >= 8
 
 
 def test_batch_config_rejects_bad_values():
