@@ -49,6 +49,7 @@ class Metrics:
                              "costs: what the chooser predicted (kind=predicted) and what they gave (kind=measured)",
                              ["kind"], registry=r)
         self._window: deque = deque(maxlen=self.GOODPUT_WINDOW)
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # predicted tokens, predicted s, tokens, s over the window
         self._wlock = threading.Lock()
 
     GOODPUT_WINDOW = 256
@@ -70,11 +71,16 @@ class Metrics:
                 self.skipped.labels(ev.skip_reason).inc()
             if ev.predicted_s > 0 and ev.wall_s > 0:
                 got = ev.accepted + (0 if ev.ahead == "used" else 1)
-                with self._wlock:
-                    self._window.append((ev.predicted_tokens, ev.predicted_s, got, ev.wall_s))
-                    pt, ps, mt, ms = (sum(x) for x in zip(*self._window))
-                self.goodput.labels("predicted").set(pt / ps)
-                self.goodput.labels("measured").set(mt / ms)
+                row = (ev.predicted_tokens, ev.predicted_s, got, ev.wall_s)
+                with self._wlock:  # running sums over the window: add the new round, drop the oldest
+                    if len(self._window) == self._window.maxlen:
+                        old = self._window[0]
+                        self._sums = [a - b for a, b in zip(self._sums, old, strict=True)]
+                    self._window.append(row)
+                    self._sums = [a + b for a, b in zip(self._sums, row, strict=True)]
+                    pt, ps, mt, ms = self._sums
+                self.goodput.labels("predicted").set(pt / ps if ps > 0 else 0.0)
+                self.goodput.labels("measured").set(mt / ms if ms > 0 else 0.0)
 
 
 def stats_dict(stats) -> dict:
