@@ -48,7 +48,7 @@ class CostModel:
     # bounds of one round's measured/predicted time ratio: wide enough to correct a cost table timed
     # while another process computed on the same cores (such a table can be off by more than 20x)
     max_scale = 50.0
-    price_forwards = 8  # forwards a verifier's price must be fitted from before it prices rows
+    price_forwards = 8  # forwards a server's published price must be fitted from before it prices rows
 
     def __init__(self, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,

@@ -73,8 +73,8 @@ class Decoder(Pipelining):
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.probe_record):
         # a pair's drafter gets text right more or less often
         self._probes: dict[str, tuple[float, float, float, float]] = {}
-        # the verifier's latest published price of a batched forward (crossdraft.runtime.price): a new
-        # request prices rows with it before its own rounds report one
+        # the verifier's and the drafter's latest published prices of a batched forward
+        # (crossdraft.runtime.price): a new request prices rows with them before its own rounds report any
         self._price = self._dprice = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
@@ -455,7 +455,8 @@ class Decoder(Pipelining):
         # drafter drops out of the verifier's count of recent senders, and pricing with that
         # smaller count would have more sessions draft than pays
         pol.observe_batch(max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running))
-        # the verifier's price of a row and of a token now (batched verifiers publish it in every reply)
+        # the servers' prices of a row and of a token now (batched verifiers publish theirs in every reply,
+        # batched drafters on each Draft stream's last message)
         dprice = getattr(self.drafter, "price", None)
         pol.see_price(getattr(res, "price", None), dprice() if dprice is not None else None)
         self._price, self._dprice = pol.costs.price, pol.costs.dprice
