@@ -87,7 +87,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
-                                             heals=tok.heals)
+                                             heals=tok.heals, queue_wait_ms=tok.queue_s * 1e3)
                 if tok.last:  # the stream's last message carries the drafter's price of a step
                     price = wire.price_to_proto(w.price())
                     if price is not None:

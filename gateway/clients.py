@@ -248,7 +248,7 @@ class RemoteDrafter(_Remote):
                         q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
                         q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
                         toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
-                                               heals=t.heals and not toks))
+                                               heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3))
                         if t.last:
                             self._price = wire.price_from_proto(t) or self._price
                     elif m.HasField("done"):

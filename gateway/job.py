@@ -223,6 +223,7 @@ class Job:
                     span.set_attribute("crossdraft.round.overhead_ms", ev.overhead_s * 1e3)
                     span.set_attribute("crossdraft.round.batch_size", ev.batch_size)
                     span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
+                    span.set_attribute("crossdraft.round.draft_queue_wait_ms", ev.draft_queue_s * 1e3)
                     span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
                     if ev.ahead:
                         span.set_attribute("crossdraft.round.ahead", ev.ahead)

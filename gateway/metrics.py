@@ -25,7 +25,9 @@ class Metrics:
         self.pos_accepted = Counter("crossdraft_accepted_by_position_total", "Drafts accepted at each block position",
                                     ["position"], registry=r)
         self.round_seconds = Histogram(
-            "crossdraft_round_seconds", "Round latency split by phase", ["phase"], registry=r,
+            "crossdraft_round_seconds",
+            "Round latency split by phase: the models' own time (draft, verify), their waits in the model servers' "
+            "queues (queue) and the rest of the round (overhead)", ["phase"], registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.fallbacks = Counter("crossdraft_drafter_fallbacks_total", "Requests that went on target-only", registry=r)
         self.active = Gauge("crossdraft_active_requests", "Requests in progress", registry=r)
@@ -62,8 +64,10 @@ class Metrics:
             self.pos_drafted.labels(str(i)).inc()
             if i < ev.accepted:
                 self.pos_accepted.labels(str(i)).inc()
-        self.round_seconds.labels("draft").observe(ev.draft_s)
-        self.round_seconds.labels("verify").observe(ev.verify_s)
+        d_queue, v_queue = getattr(ev, "draft_queue_s", 0.0), ev.queue_wait_s
+        self.round_seconds.labels("draft").observe(max(0.0, ev.draft_s - d_queue))
+        self.round_seconds.labels("verify").observe(max(0.0, ev.verify_s - v_queue))
+        self.round_seconds.labels("queue").observe(d_queue + v_queue)
         self.round_seconds.labels("overhead").observe(ev.overhead_s)
         if getattr(ev, "speculative", False):
             self.draft_length.observe(ev.drafted)
@@ -93,7 +97,8 @@ def stats_dict(stats) -> dict:
         "skipped_rounds": d["skipped_rounds"], "pipelined_blocks": d["pipelined_blocks"],
         "dropped_blocks": d["dropped_blocks"], "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
-        "verify_ms": d["verify_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
+        "verify_ms": d["verify_s"] * 1e3, "draft_queue_ms": d["draft_queue_s"] * 1e3,
+        "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
         "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
     }
 
@@ -102,7 +107,7 @@ def add_stats(total: dict, s: dict) -> dict:
     """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "pipelined_blocks", "dropped_blocks",
-              "caught_up", "prefill_ms", "draft_ms", "verify_ms",
+              "caught_up", "prefill_ms", "draft_ms", "verify_ms", "draft_queue_ms", "verify_queue_ms",
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0

@@ -334,6 +334,8 @@ class Decoder(Pipelining):
         remaining = req.remaining()
         kk = min(req.k, remaining - 1) if req.spec else 0
         t_round = time.perf_counter()
+        # the front end's handling of the previous round's event (span, metrics, streaming) delays this round
+        gap = t_round - req.t_end if req.t_end else 0.0
         # 1. draft up to kk tokens (after the drafter's pending edit), in target ids -- unless the block
         # was drafted during the previous verification (pipelined: its wait was on that round's path)
         drafted, req.ready = req.ready, None
@@ -360,10 +362,12 @@ class Decoder(Pipelining):
         ahead, req.ahead = req.ahead, None
         following = self._take_ahead(req, ahead, kd, n, remaining) if ahead is not None else None
         # 3. what the round showed: the times, and for the policy the acceptance, the load and the costs
+        v_queue = getattr(res, "queue_wait_s", 0.0)
         if req.first:
-            stats.prefill_s += res.forward_s
+            stats.prefill_s += res.forward_s - v_queue
         else:
-            stats.verify_s += res.forward_s
+            stats.verify_s += res.forward_s - v_queue
+        stats.verify_queue_s += v_queue
         # what the chooser expected of this round (before it learns from it): the gateway's goodput metrics
         # compare it with what the round yielded and took
         predicted = (req.policy.predict(kd, 0 if was_ahead else len(drafted.tokens))
@@ -393,19 +397,27 @@ class Decoder(Pipelining):
             self._follow(req, drafted, following)
         elif not done and req.spec:
             self._next_block(req, drafted, n, res.next_token)
-        # the round's time outside the model time on its critical path: the verification, the drafting
-        # done in this round, and the part of the block drafted ahead that the round waited for
+        # Overhead: the round's wall time (from the end of the previous round, so that the front end's
+        # handling of its event counts) minus the model time on its critical path -- the verification and
+        # the drafting done in this round (forwards and their waits in the servers' queues), the part of
+        # the block drafted ahead that the round waited for, and the wait for a catch-up
         on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0) + (catch.waited_s if catch else 0.0)
-        overhead = time.perf_counter() - t_round - res.forward_s - on_path
+        t_end = time.perf_counter()
+        overhead = t_end - t_round + gap - res.forward_s - on_path
         stats.overhead_s += overhead
+        req.t_end = t_end
+        d_queue = 0.0 if was_ahead else drafted.queue_s
         if self.log:
+            parts = {"gap": gap, "draft_rpc": draft_wall - draft_on_path - drafted.map_s if not was_ahead else 0.0,
+                     "map": drafted.map_s if not was_ahead else 0.0, "verify_rpc": verify_wall - res.forward_s}
+            parts["loop"] = overhead - sum(parts.values())  # policy, emission, the drafter's edit, bookkeeping
             self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall, skip_reason, predicted,
-                            req.step_s)
+                            req.step_s, overhead, d_queue, parts)
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
-                          queue_wait_s=getattr(res, "queue_wait_s", 0.0), logprobs=lps, drafted_ahead=was_ahead,
+                          queue_wait_s=v_queue, draft_queue_s=d_queue, logprobs=lps, drafted_ahead=was_ahead,
                           ahead="" if ahead is None else "used" if following is not None else "dropped",
-                          skip_reason=skip_reason, speculative=req.spec, wall_s=time.perf_counter() - t_round,
+                          skip_reason=skip_reason, speculative=req.spec, wall_s=t_end - t_round + gap,
                           predicted_tokens=predicted[0] if predicted else 0.0,
                           predicted_s=predicted[1] * req.step_s if predicted else 0.0)
 
@@ -433,10 +445,13 @@ class Decoder(Pipelining):
             healed = d.drop_healed(self.pair)
             req.stats.healed += 1
         seconds = sum(t.forward_s for t in toks) if toks else time.perf_counter() - t0
+        queued = sum(t.queue_s for t in toks)
         with_q = not req.params.greedy and not req.params.coupled  # coupled draws test no distribution
+        t_map = time.perf_counter()
         drafts_t, q_rows = block_in_target_ids(self.pair, toks, healed, remaining - 1, req.text_mode, with_q)
-        req.stats.draft_s += seconds
-        return Drafted(toks, drafts_t, q_rows, seconds, healed)
+        req.stats.draft_s += seconds - queued
+        req.stats.draft_queue_s += queued
+        return Drafted(toks, drafts_t, q_rows, seconds, healed, queue_s=queued, map_s=time.perf_counter() - t_map)
 
     def _learn(self, req: Request, drafted: Drafted, res, draft_wall: float, verify_wall: float) -> None:
         """Tell the request's policy what the round showed: its acceptance (the first block's too),
@@ -493,11 +508,17 @@ class Decoder(Pipelining):
             self._probes[req.mode] = req.policy.probe_record()
 
     def _log_round(self, req: Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
-                   verify_s: float, skip_reason: str = "", predicted=None, step_s: float = 0.0) -> None:
+                   verify_s: float, skip_reason: str = "", predicted=None, step_s: float = 0.0,
+                   overhead_s: float = 0.0, draft_queue_s: float = 0.0, parts: dict | None = None) -> None:
         rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
                "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,
                "draft_s": round(draft_s, 4), "verify_s": round(verify_s, 4),
                "queue_wait_s": round(getattr(res, "queue_wait_s", 0.0), 4),
+               "draft_queue_s": round(draft_queue_s, 5), "overhead_ms": round(overhead_s * 1e3, 3),
+               # where the overhead went (ms): before the round (the previous event's handling), the Draft
+               # call outside the drafter's steps, the block's mapping to target ids, the Verify call outside
+               # the verifier's time, and the rest of the loop
+               "overhead_parts_ms": {k: round(v * 1e3, 3) for k, v in (parts or {}).items()},
                "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
                "running": self._running}
         if skip_reason:

@@ -42,6 +42,7 @@ class DraftToken:
     forward_s: float
     last: bool = False  # the block ends with this proposal
     heals: bool = False  # (first token only) it replaces the session's last id (crossdraft.vocab.healing)
+    queue_s: float = 0.0  # of forward_s, the time its forward waited for its batch (other sessions' steps)
 
 
 @dataclass

@@ -240,14 +240,16 @@ class Pipelining:
             req.stats.dropped_blocks += 1
             return None
         seconds = ahead.model_s = sum(t.forward_s for t in toks)
-        req.stats.draft_s += seconds
+        queued = sum(t.queue_s for t in toks)
+        req.stats.draft_s += seconds - queued
+        req.stats.draft_queue_s += queued
         with_q = not req.params.greedy and not req.params.coupled
         drafts_t, q_rows = (block_in_target_ids(self.pair, toks, b"", remaining - kd - 1, req.text_mode, with_q)
                             if n == kd and toks and req.spec else ([], None))
         if not drafts_t:
             req.stats.dropped_blocks += 1
             return None
-        return Drafted(toks, drafts_t, q_rows, seconds, wall=max(0.0, ahead.t_end - ahead.t_start))
+        return Drafted(toks, drafts_t, q_rows, seconds, wall=max(0.0, ahead.t_end - ahead.t_start), queue_s=queued)
 
     def _follow(self, req: Request, drafted: Drafted, following: Drafted) -> None:
         """The block was accepted whole and the next one is ready: the drafter's view takes this block's

@@ -65,6 +65,9 @@ class Request:
     ready: Drafted | None = None
     ahead: Ahead | None = None
     drop_bonus: bool = False
+    # when the previous round ended (perf_counter; 0.0 before the first): the time until the next round
+    # starts is the front end's handling of that round's event, and counts in the next round's overhead
+    t_end: float = 0.0
 
     def remaining(self) -> int:
         """Tokens the request may still generate."""
@@ -88,3 +91,5 @@ class Drafted:
     seconds: float
     healed: bytes = b""  # text mode: the drafter replaced its last id, whose bytes the block spells first
     wall: float = -1.0  # drafted ahead: the drafter call's wall time (else the round measures it)
+    queue_s: float = 0.0  # of seconds, the drafter's steps' waits for their batches (other sessions' steps)
+    map_s: float = 0.0  # the gateway's time expressing the block in target ids (and q over target ids)

@@ -42,10 +42,19 @@ class Stats:
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    # the models' own time: the first verification (the prompt's prefill), the drafter's steps and the
+    # later verifications, each without its waits in the server's queue (reported apart below)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    overhead_s: float = 0.0  # time in the rounds outside the two models' forwards (mapping, bookkeeping, RPCs)
+    # time the drafter's steps and the verifications waited in their server's queue for a batch (for
+    # other sessions' forwards); of the drafter's, the part on the rounds' critical path counts in rounds
+    draft_queue_s: float = 0.0
+    verify_queue_s: float = 0.0
+    # the rounds' wall time outside the model time on their critical path (forwards and queue waits):
+    # the gateway's loop, RPCs, protobuf, vocabulary mapping, policy, spans and metrics, and the front
+    # end's handling of each round's event before the next round starts (see Decoder._round)
+    overhead_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = "length"
     drafter_fallback: bool = False  # the drafter failed or was too slow: the rest ran target-only
@@ -107,14 +116,15 @@ class RoundEvent:
     accepted: int
     emitted: list[int]  # new target ids (after EOS / budget trimming)
     text: str  # new text (complete UTF-8 characters only)
-    draft_s: float
-    verify_s: float
-    overhead_s: float
+    draft_s: float  # the drafter's forward time of this round's block (queue waits included)
+    verify_s: float  # the verification's time in the verifier (queue wait included)
+    overhead_s: float  # the round's wall time outside the model time on its critical path (Decoder._round)
     done: bool
     target_ids: list[int] = field(repr=False, default_factory=list)  # the session's ids now (shared, do not mutate)
     drafter_ids: list[int] | None = field(repr=False, default=None)
     batch_size: int = 1  # sessions in the verifier's batched forward that verified this block
     queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
+    draft_queue_s: float = 0.0  # how long this round's drafter steps waited for their batches (on its path)
     # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
     logprobs: list | None = field(repr=False, default=None)
     # pipelined rounds: this round's block was drafted during the previous verification; and what became
@@ -124,7 +134,9 @@ class RoundEvent:
     # a speculative round that drafted nothing: why (crossdraft.decoding.policy.SKIP_REASONS; "" otherwise)
     skip_reason: str = ""
     speculative: bool = False  # the round belongs to a speculative request (a drafter, and use_drafter)
-    wall_s: float = 0.0  # the round's wall time in the round loop
+    # the round's wall time: from the end of the request's previous round (its first round: from its own
+    # start) to its end; the span's and metrics' work on the previous round's event is in it
+    wall_s: float = 0.0
     # measured costs: what the chooser expected of the round (tokens, seconds; 0 = no prediction)
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0

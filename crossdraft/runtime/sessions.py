@@ -457,6 +457,12 @@ class DrafterSession(_ModelSession):
     """
 
     @torch.inference_mode()
+    def _queued(self) -> float:
+        """Seconds the latest forward waited for its batch to start (a batched server's KV pool records
+        it; 0.0 unbatched): part of a DraftToken's forward_s, reported apart."""
+        last = getattr(self.kv, "last", None)
+        return last.queue_wait_s if last is not None else 0.0
+
     def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1) -> torch.Tensor:
         """Logits of the token after ids + props over the allowed ids only: [A] float32 (keep > 1:
         the last `keep` positions' rows, [keep, A])."""
@@ -533,7 +539,8 @@ class DrafterSession(_ModelSession):
                     props.append(tok)
                     cum *= conf
                     last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
-                    yield DraftToken(tok, None, None, time.perf_counter() - t0, last, heals=True)
+                    yield DraftToken(tok, None, None, time.perf_counter() - t0, last, heals=True,
+                                     queue_s=self._queued())
                     if last:
                         break
                     continue
@@ -578,6 +585,6 @@ class DrafterSession(_ModelSession):
                 need = heal.rest(need, tok)
             # (a block still spelling a healed token's bytes has no new text yet: it goes on)
             last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
-            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last)
+            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last, queue_s=self._queued())
             if last:
                 break
