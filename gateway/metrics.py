@@ -98,7 +98,8 @@ def stats_dict(stats) -> dict:
         "dropped_blocks": d["dropped_blocks"], "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
         "verify_ms": d["verify_s"] * 1e3, "draft_queue_ms": d["draft_queue_s"] * 1e3,
-        "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3, "total_ms": d["total_s"] * 1e3,
+        "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3,
+        "total_ms": d["total_s"] * 1e3,
         "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
     }
 
