@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import queue
 import random
 import re
 import threading
@@ -18,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from crossdraft.decoding.policy import DraftConfig
 from crossdraft.decoding.sampling import SamplingParams
@@ -60,6 +62,7 @@ class Job:
         self._refused: list[tuple[str, Exception]] = []  # (verifier address, its refusal) of this request
         self.admitted = False  # holds an admission slot (given back by close())
         self._cancel = threading.Event()
+        self._round_span: tuple | None = None  # (span, end ns) of the round that just ended (_round_scope)
         self._placement: dict = {}
         self._lease_renewed = time.monotonic()
         self.sid = None
@@ -206,37 +209,83 @@ class Job:
                 refusal = e
 
     def _round_scope(self, round_index):
+        """The round's trace span, current while the round runs (its Draft and Verify calls are its
+        children). The round hands the span and its end time to the reader of its event
+        (:meth:`_record`), which sets the attributes, counts the metrics and ends it: that work is
+        not on the next round's path."""
         gw = self.gw
 
         @contextlib.contextmanager
         def scope():
-            with gw.tracer.start_as_current_span("crossdraft.verify_round") as span:
-                span.set_attribute("crossdraft.round.index", round_index)
+            span = gw.tracer.start_span("crossdraft.verify_round")
+            span.set_attribute("crossdraft.round.index", round_index)
+            recorded = False
 
-                def record(ev):
-                    span.set_attribute("crossdraft.round.draft_tokens_requested", ev.requested)
-                    span.set_attribute("crossdraft.round.drafted", ev.drafted)
-                    span.set_attribute("crossdraft.round.accepted", ev.accepted)
-                    span.set_attribute("crossdraft.round.emitted", len(ev.emitted))
-                    span.set_attribute("crossdraft.round.draft_ms", ev.draft_s * 1e3)
-                    span.set_attribute("crossdraft.round.verify_ms", ev.verify_s * 1e3)
-                    span.set_attribute("crossdraft.round.overhead_ms", ev.overhead_s * 1e3)
-                    span.set_attribute("crossdraft.round.batch_size", ev.batch_size)
-                    span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
-                    span.set_attribute("crossdraft.round.draft_queue_wait_ms", ev.draft_queue_s * 1e3)
-                    span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
-                    if ev.ahead:
-                        span.set_attribute("crossdraft.round.ahead", ev.ahead)
-                    if ev.skip_reason:  # a speculative round that drafted nothing: the chooser's reason
-                        span.set_attribute("crossdraft.round.skip_reason", ev.skip_reason)
-                    if ev.predicted_s > 0:
-                        span.set_attribute("crossdraft.round.predicted_tokens", ev.predicted_tokens)
-                        span.set_attribute("crossdraft.round.predicted_ms", ev.predicted_s * 1e3)
-                    gw.metrics.round(ev)
+            def record(ev):
+                nonlocal recorded
+                recorded = True
+                self._round_span = (span, time.time_ns())
 
-                yield record
+            try:
+                with trace.use_span(span, end_on_exit=False):
+                    yield record
+            finally:
+                if not recorded:  # the round raised: nobody reads an event of it
+                    span.end()
 
         return scope()
+
+    def _record(self, ev, span, end_ns: int) -> None:
+        """A round's span attributes and metrics, and the span's end at the round's end."""
+        gw = self.gw
+        span.set_attribute("crossdraft.round.draft_tokens_requested", ev.requested)
+        span.set_attribute("crossdraft.round.drafted", ev.drafted)
+        span.set_attribute("crossdraft.round.accepted", ev.accepted)
+        span.set_attribute("crossdraft.round.emitted", len(ev.emitted))
+        span.set_attribute("crossdraft.round.draft_ms", ev.draft_s * 1e3)
+        span.set_attribute("crossdraft.round.verify_ms", ev.verify_s * 1e3)
+        span.set_attribute("crossdraft.round.overhead_ms", ev.overhead_s * 1e3)
+        span.set_attribute("crossdraft.round.batch_size", ev.batch_size)
+        span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
+        span.set_attribute("crossdraft.round.draft_queue_wait_ms", ev.draft_queue_s * 1e3)
+        span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
+        if ev.ahead:
+            span.set_attribute("crossdraft.round.ahead", ev.ahead)
+        if ev.skip_reason:  # a speculative round that drafted nothing: the chooser's reason
+            span.set_attribute("crossdraft.round.skip_reason", ev.skip_reason)
+        if ev.predicted_s > 0:
+            span.set_attribute("crossdraft.round.predicted_tokens", ev.predicted_tokens)
+            span.set_attribute("crossdraft.round.predicted_ms", ev.predicted_s * 1e3)
+        span.end(end_time=end_ns)
+        gw.metrics.round(ev)
+
+    def _produce(self, q: queue.SimpleQueue, ctx) -> None:
+        """Run the rounds (in a thread of their own), each as soon as the one before it ends, and hand
+        each round's event to :meth:`events` through ``q``: the reader's work on an event (its span and
+        metrics, streaming it to the client) is not on the next round's path. Puts ("event", ev, span)
+        per round, then ("end", None, None) -- or ("error", exception, None), or ("cancelled", ...)."""
+        token = otel_context.attach(ctx) if ctx is not None else None
+        try:
+            first = True
+            while True:
+                if self._cancel.is_set():
+                    self.run.close()
+                    q.put(("cancelled", None, None))
+                    return
+                self._round_span = None
+                ev = self._first_round() if first else next(self.run, None)
+                if first and self.session is not None:
+                    self._record_placement()
+                first = False
+                if ev is None:
+                    q.put(("end", None, None))
+                    return
+                q.put(("event", ev, self._round_span))
+        except BaseException as e:  # noqa: BLE001 -- handed to the reader, which raises it
+            q.put(("error", e, None))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def cancel(self) -> None:
         """The client went away (disconnect, cancelled call, deadline): stop before the next round.
@@ -253,34 +302,38 @@ class Job:
         return self._cancel.is_set()
 
     def events(self, ctx=None):
-        """Generator of event dicts; runs the rounds. `ctx`: OTel context to run under (REST).
-        A session's turn is stored once, when it completes (:meth:`_commit`); an error or a
-        cancellation before that leaves the stored session untouched."""
+        """Generator of event dicts; the rounds run in a thread of their own (:meth:`_produce`), ahead
+        of the reader. `ctx`: OTel context to run under (REST). A session's turn is stored once, when
+        it completes (:meth:`_commit`); an error or a cancellation before that leaves the stored
+        session untouched."""
         gw = self.gw
         gw.metrics.active.inc()
         status = "error"
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        # the rounds' spans belong to the caller's trace: its context, or the one current here
+        ctx = ctx if ctx is not None else otel_context.get_current()
+        rounds = threading.Thread(target=self._produce, args=(q, ctx), name="crossdraft-rounds", daemon=True)
+        rounds.start()
         try:
-            first = True
             while True:
                 if self._cancel.is_set():
                     status = "cancelled"
-                    self.run.close()
                     return
-                token = otel_context.attach(ctx) if ctx is not None else None
-                try:
-                    ev = self._first_round() if first else next(self.run, None)
-                finally:
-                    if token is not None:
-                        otel_context.detach(token)
-                if first and self.session is not None:
-                    self._record_placement()
-                first = False
-                if ev is None:
+                kind, ev, span = q.get()
+                if kind == "error":
+                    raise ev
+                if kind == "cancelled":
+                    status = "cancelled"
+                    return
+                if kind == "end":
                     break
+                if span is not None:
+                    self._record(ev, *span)
                 if self.session is not None:
                     self._keep_lease()
                 if ev.text or ev.emitted:
                     yield {"type": "delta", "text": ev.text, "token_ids": list(ev.emitted), "logprobs": ev.logprobs}
+            rounds.join()
             res = self.run.result
             if self.no_drafter_reason and not res.stats.drafter_fallback:
                 res.stats.drafter_fallback, res.stats.fallback_reason = True, self.no_drafter_reason
@@ -303,6 +356,16 @@ class Job:
         finally:
             if status == "error" and self._cancel.is_set():
                 status = "cancelled"  # the consumer stopped reading us because the client went away
+            if rounds.is_alive():  # the reader stopped early: the rounds stop after the one in flight
+                self._cancel.set()
+                rounds.join()
+            while True:  # the spans of events nobody read end too
+                try:
+                    kind, ev, span = q.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "event" and span is not None:
+                    span[0].end(end_time=span[1])
             self._finish(status)
 
     def _first_round(self):

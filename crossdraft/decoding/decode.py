@@ -296,6 +296,8 @@ class Decoder(Pipelining):
             if req.d is not None:
                 run.drafter_ids = req.d.ids
             if ev.done:
+                if self.log:  # the request's lines are in the file when its result is
+                    self.log.flush()
                 req.stats.new_tokens = len(req.out.gen)
                 req.stats.total_s = time.perf_counter() - t_start
                 run.result = req.out.result(req.stats)
