@@ -51,6 +51,8 @@ PARTS = ("gap", "draft_rpc", "map", "verify_rpc", "loop")
 def request(http: str, prompt: str, a, use_drafter: bool, stream: bool) -> dict:
     body = {"prompt": prompt, "max_tokens": a.max_new_tokens, "temperature": 0, "use_drafter": use_drafter,
             "stream": stream}
+    if use_drafter and a.fixed_k:  # every round drafts (the policy would stop drafting where it does not pay)
+        body["adaptive_draft"] = False
     t0 = time.perf_counter()
     r = SESSION.post(f"{http}/v1/completions", json=body, stream=stream, timeout=600)
     r.raise_for_status()
@@ -85,6 +87,9 @@ def main() -> None:
     ap.add_argument("--drafter", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--adaptive", dest="fixed_k", action="store_false",
+                    help="speculative requests choose their draft lengths (default: fixed blocks of 4, so that every "
+                         "speculative round drafts)")
     ap.add_argument("--gateway-arg", action="append", default=[], help="an extra gateway flag (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="overhead-tiny")
@@ -137,7 +142,7 @@ def main() -> None:
         "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "clients": 1, "api": "REST (json and stream)",
         "cpu": _cpu_name(), "machine": platform.node(), "python": platform.python_version(),
         "meta": git_commit(),
-        "gateway_args": a.gateway_arg,
+        "gateway_args": a.gateway_arg, "fixed_k": a.fixed_k,
         "per_round": {k: summarise(v) for k, v in groups.items()},
         "definition": "overhead_ms = the round's wall time from the end of the request's previous round minus the "
                       "model time on its critical path (forwards and the model servers' queue waits); the first "

@@ -13,7 +13,7 @@ from crossdraft.serving.modelserver import Loading
 from crossdraft.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 DRAFT_TOKENS = Counter("crossdraft_drafter_tokens_total", "Draft tokens proposed")
-DRAFT_CALLS = Counter("crossdraft_drafter_draft_calls_total", "Draft RPCs")
+DRAFT_CALLS = Counter("crossdraft_drafter_draft_calls_total", "Draft and DraftBlock calls")
 TOKEN_SECONDS = Histogram("crossdraft_drafter_token_seconds", "Drafter forward time per proposed token",
                           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
 SYNCS = Counter("crossdraft_drafter_syncs_total", "Session syncs (full histories received)")
@@ -66,15 +66,52 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         shared, exp = self.state.get().fork(request.source_session_id, request.session_id)
         return drafter_pb2.ForkDrafterSessionResponse(shared_tokens=shared, context=wire.expect_to_proto(exp))
 
-    def Draft(self, request, context):
-        w = self.state.get()
+    def _draft_iter(self, request, w):
         DRAFT_CALLS.inc()
         params = wire.params_from_proto(request.params)
-        it = w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
-                          int(request.round_index), params, int(request.seed), float(request.stop_below),
-                          request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
-                          position=int(request.position) or -1)
-        return self._stream(it, context, int(request.num_draft_tokens), w)
+        return w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
+                            int(request.round_index), params, int(request.seed), float(request.stop_below),
+                            request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
+                            position=int(request.position) or -1)
+
+    def Draft(self, request, context):
+        w = self.state.get()
+        return self._stream(self._draft_iter(request, w), context, int(request.num_draft_tokens), w)
+
+    def DraftBlock(self, request, context):
+        """The whole block in one reply (Draft's messages, gathered)."""
+        w = self.state.get()
+        it = self._draft_iter(request, w)
+        tokens = []
+        try:
+            for tok in it:
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                tokens.append(self._message(tok, w))
+                if tok.last:
+                    break
+        finally:
+            it.close()
+        reply = drafter_pb2.DraftBlockResponse(tokens=tokens)
+        if not (tokens and tokens[-1].last):  # no proposal ended the block
+            reply.done.CopyFrom(drafter_pb2.DraftDone(num_tokens=len(tokens), stop_reason="length",
+                                                      price=wire.price_to_proto(w.price())))
+        return reply
+
+    @staticmethod
+    def _message(tok, w):
+        DRAFT_TOKENS.inc()
+        TOKEN_SECONDS.observe(tok.forward_s)
+        msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
+                                     heals=tok.heals, queue_wait_ms=tok.queue_s * 1e3)
+        if tok.last:  # the block's last proposal carries the drafter's price of a step
+            price = wire.price_to_proto(w.price())
+            if price is not None:
+                msg.price.CopyFrom(price)
+        if tok.q_ids is not None:
+            msg.q_token_ids.extend(tok.q_ids.tolist())
+            msg.q_probs.extend(tok.q_probs.tolist())
+        return msg
 
     def _stream(self, it, context, k: int, w):
         n = 0
@@ -82,19 +119,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         try:
             for tok in it:
                 n += 1
-                DRAFT_TOKENS.inc()
-                TOKEN_SECONDS.observe(tok.forward_s)
                 if self.delay_s:
                     time.sleep(self.delay_s)
-                msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
-                                             heals=tok.heals, queue_wait_ms=tok.queue_s * 1e3)
-                if tok.last:  # the stream's last message carries the drafter's price of a step
-                    price = wire.price_to_proto(w.price())
-                    if price is not None:
-                        msg.price.CopyFrom(price)
-                if tok.q_ids is not None:
-                    msg.q_token_ids.extend(tok.q_ids.tolist())
-                    msg.q_probs.extend(tok.q_probs.tolist())
+                msg = self._message(tok, w)
                 ended = tok.last
                 yield drafter_pb2.DraftResponse(token=msg)
                 if ended or not context.is_active():

@@ -26,6 +26,10 @@ log = logging.getLogger("crossdraft.gateway")
 ROTATION_GRACE_S = 120.0  # a replaced channel stays open this long for the calls still on it
 
 
+class Unimplemented(Unavailable):
+    """The server does not have the RPC (an older version): UNIMPLEMENTED."""
+
+
 def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
     """Map a gRPC error from `who` at `addr` to the crossdraft error of its status code."""
     code = e.code() if hasattr(e, "code") else None
@@ -39,6 +43,8 @@ def _convert(e: grpc.RpcError, who: str, addr: str) -> Exception:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, rest = (msg or "").partition(": ")
         return InvalidArgument(field or who, rest or msg)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unimplemented(f"{who} {addr} UNIMPLEMENTED: {msg}")
     return Unavailable(f"{who} {addr} {code.name if code else 'error'}: {msg}")
 
 
@@ -183,6 +189,7 @@ class RemoteDrafter(_Remote):
     def __init__(self, address, tracer=None, timeout_s: float = 30.0, tls=None):
         super().__init__(address, tracer, timeout_s, tls)
         self._price = None  # the drafter's latest published price of a batched step
+        self._block = True  # the drafter answers DraftBlock (False once it said UNIMPLEMENTED: an older one)
 
     def price(self):
         """The drafter's price of a batched step, as its latest Draft stream ended with (None: none yet,
@@ -235,6 +242,15 @@ class RemoteDrafter(_Remote):
             req.edit.append.extend(edit[1])
         if expect is not None:
             req.expect.CopyFrom(wire.expect_to_proto(expect))
+        if cancel is None and self._block:  # the caller waits for the whole block: one reply
+            try:
+                r = self._call("DraftBlock", self.stub.DraftBlock, req, timeout_s)
+            except Unimplemented:  # an older drafter: its Draft stream
+                self._block = False
+            else:
+                if r.HasField("done"):
+                    self._price = wire.price_from_proto(r.done) or self._price
+                return self._tokens(r.tokens, [])
         toks: list[DraftToken] = []
         self._rotate()
         with self.tracer.start_as_current_span(f"{self.service}/Draft", kind=trace.SpanKind.CLIENT) as span:
@@ -244,13 +260,7 @@ class RemoteDrafter(_Remote):
                 stream = self.stub.Draft(req, timeout=timeout_s or self.timeout_s, metadata=rpc.traced_metadata())
                 for m in stream:
                     if m.HasField("token"):
-                        t = m.token
-                        q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
-                        q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
-                        toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
-                                               heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3))
-                        if t.last:
-                            self._price = wire.price_from_proto(t) or self._price
+                        self._tokens((m.token,), toks)
                     elif m.HasField("done"):
                         self._price = wire.price_from_proto(m.done) or self._price
                     if cancel is not None and cancel.is_set():
@@ -261,6 +271,17 @@ class RemoteDrafter(_Remote):
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(e.code())))
                 raise _convert(e, self.who, self.address) from None
             span.set_attribute("crossdraft.drafted", len(toks))
+        return toks
+
+    def _tokens(self, msgs, toks: list) -> list:
+        """DraftToken messages appended to toks as DraftTokens (the last one's price kept); returns toks."""
+        for t in msgs:
+            q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
+            q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
+            toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
+                                   heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3))
+            if t.last:
+                self._price = wire.price_from_proto(t) or self._price
         return toks
 
     def commit(self, sid, edit, expect):

@@ -456,7 +456,7 @@ def valid_request(draw, s: Servers, kind: str, rpc: str):
         return drafter_pb2.SetAllowedTokensRequest(allowed_key=draw(st.sampled_from([FUZZ_KEY, "fz-other"])),
                                                    vocab_size=d_vocab,
                                                    mask=np.packbits(mask, bitorder="little").tobytes())
-    if rpc in ("Draft", "Commit"):
+    if rpc in ("Draft", "DraftBlock", "Commit"):
         sid, ids = _synced(draw, s, "drafter")
         edit, after = None, ids
         if rpc == "Commit" or draw(st.booleans()):
@@ -541,6 +541,9 @@ def _check_ok(kind: str, method, req, resp, s: Servers) -> None:
     elif method.name == "Draft":
         assert all(0 <= m.token.token_id < s.d_vocab for m in resp if m.HasField("token"))
         assert len([m for m in resp if m.HasField("token")]) <= req.num_draft_tokens
+    elif method.name == "DraftBlock":
+        assert all(0 <= t.token_id < s.d_vocab for t in resp.tokens) and len(resp.tokens) <= req.num_draft_tokens
+        assert resp.HasField("done") != (len(resp.tokens) > 0 and resp.tokens[-1].last)
 
 
 def _call(s: Servers, kind: str, method, req, cancel_after: int | None) -> None:
@@ -613,7 +616,7 @@ def test_every_rpc_is_fuzzed():
     until it has a builder there, and this count until it is updated."""
     names = {r for _, r in METHODS}
     assert {"ForkVerifierSession", "ForkDrafterSession", "Draft", "Verify", "Generate"} <= names
-    assert len(METHODS) == 18, METHODS
+    assert len(METHODS) == 19, METHODS
 
 
 @pytest.mark.parametrize("kind, rpc", METHODS, ids=[f"{k}.{r}" for k, r in METHODS])
@@ -851,3 +854,23 @@ def test_a_draft_stream_ends_with_the_drafter_s_price(servers):
     assert price is not None and price.forwards >= 3 and price.ms(1, 1) > 0
     # only the last message carries it (one message per proposal on the hot path)
     assert not any(m.token.HasField("price") for m in msgs[:-1] if m.HasField("token"))
+
+
+def test_draft_block_answers_the_block_draft_streams_in_one_reply(servers):
+    """DraftBlock: the block Draft streams (same session state, greedy), in one reply whose last proposal
+    carries last = true and the drafter's price."""
+    from crossdraft.serving import wire
+
+    d = servers.stubs["drafter"]
+    ids = _history(servers.d_vocab, 24, 9)
+    d.SyncDrafterSession(drafter_pb2.SyncDrafterSessionRequest(session_id="dblock", token_ids=ids),
+                         timeout=CALL_TIMEOUT_S)
+    req = drafter_pb2.DraftRequest(session_id="dblock", expect=_check(ids), num_draft_tokens=5, params=GREEDY)
+    try:  # (proposals stay uncommitted: each call drafts from the same ids)
+        streamed = [m.token for m in d.Draft(req, timeout=CALL_TIMEOUT_S) if m.HasField("token")]
+        block = list(d.DraftBlock(req, timeout=CALL_TIMEOUT_S).tokens)
+    finally:
+        d.EndDrafterSession(drafter_pb2.EndDrafterSessionRequest(session_id="dblock"), timeout=CALL_TIMEOUT_S)
+    assert len(streamed) == 5 and [t.token_id for t in block] == [t.token_id for t in streamed]
+    assert [t.last for t in block] == [False] * 4 + [True]
+    assert wire.price_from_proto(block[-1]) is not None and not any(t.HasField("price") for t in block[:-1])

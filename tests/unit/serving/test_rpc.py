@@ -413,3 +413,28 @@ def test_telemetry_module_does_not_import_grpc():
     code = "import sys, crossdraft.serving.telemetry; sys.exit(1 if 'grpc' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
+
+
+def test_a_drafter_without_draft_block_is_read_through_its_draft_stream(served):
+    """The gateway asks for a whole block with DraftBlock (one reply); a drafter of an older version
+    answers UNIMPLEMENTED, and the same call then reads its Draft stream -- and keeps doing so."""
+    from crossdraft.decoding.sampling import SamplingParams
+    from gateway.clients import RemoteDrafter
+
+    address, _, _ = served
+    client = RemoteDrafter(address)
+    calls = []
+    real = client.stub.DraftBlock
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    client.stub.DraftBlock = counted
+    try:
+        for _ in range(2):
+            toks = client.draft("s", None, None, 3, 0, SamplingParams(), 0, 0.0, "")
+            assert [t.id for t in toks] == [100, 101, 102]
+        assert len(calls) == 1 and client._block is False
+    finally:
+        client.channel.close()
