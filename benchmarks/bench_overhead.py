@@ -17,7 +17,7 @@ model time on its critical path (forwards and the servers' queue waits; crossdra
 It reports the median (and mean, p90) per round of each, for rounds that drafted, speculative rounds
 that drafted nothing, and target-only rounds, and writes benchmarks/results/<tag>-<machine>.json.
 
-Usage: python benchmarks/bench_overhead.py [--target gemma3-270m] [--drafter smollm2-135m]
+Usage: python benchmarks/bench_overhead.py [--target gemma3-270m] [--drafter smollm2-135m] [--modes serial,pipelined]
                                            [--prompts 6] [--max-new-tokens 64] [--tag overhead-tiny]
 """
 
@@ -81,6 +81,21 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def groups_of(log: Path) -> dict:
+    """The round log's steady rounds (each request's first round -- prefill, syncs -- left out), summarised
+    for rounds that drafted, speculative rounds that drafted nothing, and target-only rounds."""
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    rounds = [x for x in lines if "round" in x and "overhead_ms" in x]
+    first: dict[str, int] = {}
+    for x in rounds:
+        first[x["sid"]] = min(first.get(x["sid"], x["round"]), x["round"])
+    steady = [x for x in rounds if x["round"] != first[x["sid"]]]
+    spec = {x["sid"] for x in lines if "start" in x}  # (the log's start lines are speculative requests')
+    return {"drafting": summarise([x for x in steady if x["drafted"] > 0]),
+            "speculative_not_drafting": summarise([x for x in steady if x["drafted"] == 0 and x["sid"] in spec]),
+            "target_only": summarise([x for x in steady if x["sid"] not in spec])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="gemma3-270m")
@@ -90,6 +105,7 @@ def main() -> None:
     ap.add_argument("--adaptive", dest="fixed_k", action="store_false",
                     help="speculative requests choose their draft lengths (default: fixed blocks of 4, so that every "
                          "speculative round drafts)")
+    ap.add_argument("--modes", default="serial,pipelined", help="serial and/or pipelined rounds (--pipeline)")
     ap.add_argument("--gateway-arg", action="append", default=[], help="an extra gateway flag (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="overhead-tiny")
@@ -99,59 +115,53 @@ def main() -> None:
     n_code = (a.prompts + 1) // 2
     prompts = humaneval_prompts(n_code) + PROSE[: a.prompts - n_code]
     logs = Path(tempfile.mkdtemp(prefix="crossdraft-bench-overhead-"))
-    round_log = logs / "rounds.jsonl"
     print(f"logs: {logs}", flush=True)
+    modes = [m for m in a.modes.split(",") if m]
+    per_mode = {}
     with Services(logs) as s:
         _, vaddr = s.verifier(a.target)
         _, daddr = s.drafter(a.drafter)
         s.ready()
-        _, http, _ = s.gateway(vaddr, daddr, drafter_timeout_s=120,
-                               extra=["--round-log", str(round_log), *a.gateway_arg])
+        gateways = {}
+        for mode in modes:  # one gateway per mode, on the same model servers
+            log = logs / f"rounds-{mode}.jsonl"
+            _, http, _ = s.gateway(vaddr, daddr, drafter_timeout_s=120,
+                                   extra=["--round-log", str(log), "--pipeline", "on" if mode == "pipelined" else "off",
+                                          *a.gateway_arg])
+            gateways[mode] = (http, log)
         s.ready()
-        for use in (True, False):  # warm-up, not counted
-            request(http, "def add(a, b):\n", a, use, False)
-        round_log.write_text("")
-        reqs = []
-        for i, prompt in enumerate(prompts):
-            for stream in (False, True):
-                order = (True, False) if (i + stream) % 2 == 0 else (False, True)
-                for use in order:
-                    r = request(http, prompt, a, use, stream)
-                    r.update(prompt=i, use_drafter=use, stream=stream)
-                    st = r["stats"] or {}
-                    print(f"  p{i} {'spec' if use else 'target-only':11} {'stream' if stream else 'json  '} "
-                          f"{st.get('rounds', 0):3d} rounds, overhead "
-                          f"{st.get('overhead_ms', 0.0) / max(1, st.get('rounds', 1)):.3f} ms/round", flush=True)
-                    reqs.append(r)
+        for mode, (http, log) in gateways.items():
+            for use in (True, False):  # warm-up, not counted
+                request(http, "def add(a, b):\n", a, use, False)
+            log.write_text("")
+            for i, prompt in enumerate(prompts):
+                for stream in (False, True):
+                    order = (True, False) if (i + stream) % 2 == 0 else (False, True)
+                    for use in order:
+                        r = request(http, prompt, a, use, stream)
+                        st = r["stats"] or {}
+                        print(f"  {mode} p{i} {'spec' if use else 'target-only':11} {'stream' if stream else 'json  '} "
+                              f"{st.get('rounds', 0):3d} rounds, overhead "
+                              f"{st.get('overhead_ms', 0.0) / max(1, st.get('rounds', 1)):.3f} ms/round", flush=True)
         time.sleep(0.2)
-    lines = [json.loads(x) for x in round_log.read_text().splitlines() if x.strip()]
-    rounds = [x for x in lines if "round" in x and "overhead_ms" in x]
-    # a request's first round holds the prompt's prefill and the drafter's first sync: not a steady round
-    by_sid: dict[str, int] = {}
-    for x in rounds:
-        by_sid[x["sid"]] = min(by_sid.get(x["sid"], x["round"]), x["round"])
-    steady = [x for x in rounds if x["round"] != by_sid[x["sid"]]]
-    spec_sids = {x["sid"] for x in lines if "start" in x}  # (the log's start lines are speculative requests')
-    groups = {
-        "drafting": [x for x in steady if x["drafted"] > 0],
-        "speculative_not_drafting": [x for x in steady if x["drafted"] == 0 and x["sid"] in spec_sids],
-        "target_only": [x for x in steady if x["sid"] not in spec_sids],
-    }
+    for mode, (_, log) in gateways.items():
+        per_mode[mode] = groups_of(log)
+        for k, v in per_mode[mode].items():
+            if v["rounds"]:
+                print(f"{mode:9} {k:26} {v['rounds']:4d} rounds  overhead median {v['median_ms']:.3f} ms  "
+                      f"mean {v['mean_ms']:.3f}  p90 {v['p90_ms']:.3f}  parts (median) {v['parts_median_ms']}",
+                      flush=True)
     result = {
         "benchmark": "overhead", "tag": tag, "target": a.target, "drafter": a.drafter,
         "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "clients": 1, "api": "REST (json and stream)",
         "cpu": _cpu_name(), "machine": platform.node(), "python": platform.python_version(),
         "meta": git_commit(),
         "gateway_args": a.gateway_arg, "fixed_k": a.fixed_k,
-        "per_round": {k: summarise(v) for k, v in groups.items()},
+        "per_round": per_mode,
         "definition": "overhead_ms = the round's wall time from the end of the request's previous round minus the "
                       "model time on its critical path (forwards and the model servers' queue waits); the first "
                       "round of each request (prefill, syncs) is left out",
     }
-    for k, v in result["per_round"].items():
-        if v["rounds"]:
-            print(f"{k:26} {v['rounds']:4d} rounds  overhead median {v['median_ms']:.3f} ms  mean {v['mean_ms']:.3f}"
-                  f"  p90 {v['p90_ms']:.3f}  parts (median) {v['parts_median_ms']}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -504,7 +504,12 @@ class DrafterWorker(_Worker):
             raise InvalidArgument("stop_cumulative_below", f"must be in [0, 1), got {stop_cumulative}")
         with self.lock:
             allowed = self.allowed(allowed_key)
+        t_enter = time.perf_counter()
         with self._using(sid) as (sess, _):
+            # the wait for the session (its previous block's step in progress, e.g. a block drafted ahead
+            # and cancelled) is the drafter's compute on this call's path: its first token reports it as
+            # queue wait, part of its forward time
+            held = time.perf_counter() - t_enter
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
@@ -522,6 +527,10 @@ class DrafterWorker(_Worker):
                 tok = next(it, None)
             if tok is None:
                 return
+            if held:
+                tok.forward_s += held
+                tok.queue_s += held
+                held = 0.0
             yield tok
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
