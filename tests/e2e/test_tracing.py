@@ -80,7 +80,7 @@ def test_one_verify_round_span_per_round_with_attributes(traced):
     # each round's RPCs are its children
     round_ids = {s.context.span_id for s in rounds}
     verifies = [s for s in spans if s.name == "crossdraft.v1.VerifierService/Verify"]
-    drafts = [s for s in spans if s.name == "crossdraft.v1.DrafterService/Draft"]
+    drafts = [s for s in spans if s.name == "crossdraft.v1.DrafterService/DraftBlock"]  # (serial rounds)
     assert len(verifies) == len(rounds)
     assert drafts and all(s.parent.span_id in round_ids for s in verifies + drafts)
     assert all(s.kind == trace.SpanKind.CLIENT for s in verifies + drafts)
@@ -104,7 +104,7 @@ def test_drafter_and_verifier_spans_share_the_request_trace(traced):
     d_names = _server_spans(procs["drafter"], trace_id)
     assert "crossdraft.v1.VerifierService/Verify" in v_names
     assert v_names.count("crossdraft.v1.VerifierService/Verify") == done["stats"]["rounds"]
-    assert "crossdraft.v1.DrafterService/Draft" in d_names
+    assert "crossdraft.v1.DrafterService/DraftBlock" in d_names
     # and a different request is a different trace
     other, _ = _run(gw, tracer)
     assert other != trace_id and _server_spans(procs["verifier"], other)
@@ -130,3 +130,49 @@ def test_concurrent_requests_share_verifier_batches(traced):
         if max(sizes) > 1:
             break
     assert max(sizes) > 1, sizes
+
+
+def test_a_round_makes_one_call_to_each_server_and_no_redis_write(traced):
+    """Work counting (issue "rounds at GPU speed"): every round of a session's turn is one Verify and, when
+    it drafts, one drafter call (the whole block in one DraftBlock reply) -- none retried or repeated;
+    the turn writes Redis a fixed number of times (its lease, the commit, the release), none per round.
+    Each round's span reports its overhead and its waits in the servers' queues apart."""
+    gw, tracer, exporter, _ = traced
+    s = gw.create_session({"max_new_tokens": 24, "temperature": 0.0, "adaptive_draft": False})
+    issued: list[str] = []  # the commands the gateway sends Redis during the turn
+    real = gw.store.r.execute_command
+
+    def counted(*args, **kw):
+        issued.append(str(args[0]).upper())
+        return real(*args, **kw)
+
+    exporter.clear()
+    gw.store.r.execute_command = counted
+    try:
+        with tracer.start_as_current_span("client-request"):
+            job = gw.start(session_id=s.session_id, prompt="def fibonacci(n):\n", messages=None, options={})
+            done = list(job.events())[-1]
+    finally:
+        del gw.store.r.execute_command
+    gw.delete_session(s.session_id)
+    written = [c for c in issued if c not in ("GET", "PING", "EXISTS", "PTTL", "TTL")]
+    spans = exporter.get_finished_spans()
+    rounds = {x.context.span_id: x for x in spans if x.name == "crossdraft.verify_round"}
+    assert len(rounds) == done["stats"]["rounds"] >= 8
+    calls: dict[tuple, int] = {}
+    for x in spans:
+        if x.parent is not None and x.parent.span_id in rounds:
+            key = (x.parent.span_id, x.name.rsplit("/", 1)[-1])
+            calls[key] = calls.get(key, 0) + 1
+    for sid, r in rounds.items():
+        assert calls.get((sid, "Verify")) == 1
+        drafts = calls.get((sid, "DraftBlock"), 0) + calls.get((sid, "Draft"), 0)
+        assert drafts == (1 if r.attributes["crossdraft.round.draft_tokens_requested"] > 0 else 0)
+        assert calls.get((sid, "DraftBlock"), 0) == drafts  # a serial round waits for the whole block: one reply
+        assert r.attributes["crossdraft.round.overhead_ms"] >= 0
+        assert r.attributes["crossdraft.round.queue_wait_ms"] >= 0
+        assert r.attributes["crossdraft.round.draft_queue_wait_ms"] >= 0
+    assert sum(1 for r in rounds.values() if r.attributes["crossdraft.round.drafted"] > 0) >= len(rounds) // 2
+    assert "SET" in issued and len(written) <= 3, issued  # the lease, the commit, the release
+    st = done["stats"]
+    assert st["draft_queue_ms"] >= 0 and st["verify_queue_ms"] >= 0
