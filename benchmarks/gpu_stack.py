@@ -6,16 +6,15 @@ Built for a machine without network: the models are random-initialised in real s
 CPU dry run) with the real Qwen tokenizer files beside them (``--tokenizer DIR``: default, the catalog's
 qwen2.5-coder-0.5b when it is pulled). Random weights draft nothing useful, so the drafter is an
 early-exit copy of the target: its embeddings, first ``--draft-layers`` layers, final norm and head.
-The copy predicts the target's
-tokens as often as the target's later layers leave its choice alone: they are scaled down
-(``--tail-scale``, the output projections of the layers past the drafter's) to give an acceptance like
-a good drafter's (the JSON says what it measured).
+The copy predicts the target's tokens as often as the target's later layers leave its choice alone:
+they are scaled down (``--tail-scale``, the output projections of the layers past the drafter's) to
+give an acceptance like a good drafter's (the JSON says what it measured).
 
 Then ``crossdraft up`` starts Redis, both model servers and the gateway (``--device``), and REST clients
-send greedy requests of ``--max-new-tokens``: at each client count, target-only (use_drafter=false)
-drafting 4 tokens every round, and drafting as the chooser decides (adaptive), side by side. Per point: tokens/s, ms per round and its parts (the stats' draft_ms,
-verify_ms, draft_queue_ms + verify_queue_ms, overhead_ms, over rounds), acceptance. Writes
-<out>/gpu-stack-<machine class>.json and prints a table.
+send greedy requests of ``--max-new-tokens``: at each client count, target-only (use_drafter=false),
+drafting 4 tokens every round, and drafting as the chooser decides (adaptive), side by side. Per point:
+tokens/s, ms per round and its parts (the stats' draft_ms, verify_ms, draft_queue_ms + verify_queue_ms,
+overhead_ms, over rounds), acceptance. Writes <out>/gpu-stack-<machine class>.json and prints a table.
 
 Usage: python benchmarks/gpu_stack.py --out DIR [--device cuda] [--shapes qwen7b|tiny] [--clients 1,16]
 """
