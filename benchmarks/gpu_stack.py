@@ -119,6 +119,35 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the stack was not ready after {timeout_s} s")
 
 
+def scrape(port: int) -> dict[str, float]:
+    """A model server's Prometheus samples (name{labels} -> value); {} when it does not answer."""
+    import requests
+
+    try:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except requests.RequestException:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def batching(kind: str, before: dict, after: dict) -> dict:
+    """What a point's forwards were on one model server: how many, rows per forward, CUDA graph replays."""
+    def d(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    n = d(f"crossdraft_{kind}_batch_rows_count")
+    return {"forwards": int(n), "rows_per_forward": round(d(f"crossdraft_{kind}_batch_rows_sum") / n, 2) if n else 0.0,
+            "graph_replays": int(d(f"crossdraft_{kind}_cuda_graphs_replays"))}
+
+
 MODES = {  # mode -> request fields
     "target-only": {"use_drafter": False},
     "drafting": {"use_drafter": True, "adaptive_draft": False, "num_draft_tokens": 4},  # every round drafts 4
@@ -208,6 +237,8 @@ def main() -> None:
            "--device", a.device, "--target-dtype", dname, "--drafter-dtype", dname, "--http-port", str(http),
            "--grpc-port", str(grpc_port), "--drafter-port", str(free_port()), "--verifier-port", str(free_port()),
            "--log-dir", str(out / "stack-logs"), "--ready-timeout-s", str(a.ready_timeout_s)]
+    metrics = {"drafter": free_port(), "verifier": free_port()}  # each model server's batching, per point
+    cmd += ["--drafter-metrics-port", str(metrics["drafter"]), "--verifier-metrics-port", str(metrics["verifier"])]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     url = f"http://127.0.0.1:{http}"
@@ -219,12 +250,16 @@ def main() -> None:
             point(url, 1, 1, 8, mode)
         for c in [int(x) for x in a.clients.split(",") if x]:
             for mode in MODES:
+                before = {k: scrape(port) for k, port in metrics.items()}
                 p = point(url, c, a.requests, a.max_new_tokens, mode)
+                for k, port in metrics.items():
+                    p[k] = batching(k, before[k], scrape(port))
                 points.append(p)
                 print(f"{c:3d} clients {p['mode']:12} {p['tokens_per_s']:8.1f} tok/s  {p['ms_per_round']:7.2f} ms/round"
                       f"  verify {p['verify_ms']:6.2f}  draft {p['draft_ms']:6.2f}  queue {p['queue_ms']:6.2f}  "
                       f"overhead {p['overhead_ms']:5.2f}  tokens/round {p['tokens_per_round']:.2f}  "
-                      f"acceptance {p['acceptance']:.2f}", flush=True)
+                      f"acceptance {p['acceptance']:.2f}  rows/forward: drafter {p['drafter']['rows_per_forward']}"
+                      f" verifier {p['verifier']['rows_per_forward']}", flush=True)
     finally:
         proc.terminate()
         try:

@@ -68,6 +68,8 @@ class UpConfig:
     drafter_cpus: tuple[int, ...] = ()  # the drafter's --cpus: pinned to these CPUs (() = unpinned)
     verifier_cpus: tuple[int, ...] = ()  # the verifier's --cpus (() = unpinned); gateway and Redis stay unpinned
     pipeline: str | None = None  # the gateway's --pipeline auto|on|off (None = the gateway's default)
+    drafter_metrics_port: int = 0  # the drafter's Prometheus --metrics-port (0 = off)
+    verifier_metrics_port: int = 0  # the verifier's Prometheus --metrics-port (0 = off)
     target_dtype: str | None = None  # verifier --dtype (None = its default)
     drafter_dtype: str | None = None  # drafter --dtype (None = its default)
     target_revision: str | None = None  # verifier --revision of a Hub-id target (None = the id's own / main)
@@ -119,6 +121,7 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if cfg.redis_url is None:
         raise ValueError("child_commands needs cfg.redis_url (Stack.start fills it in)")
     ports = {"http_port": cfg.http_port, "grpc_port": cfg.grpc_port, "verifier_port": cfg.verifier_port}
+    ports.update({k: getattr(cfg, k) for k in ("drafter_metrics_port", "verifier_metrics_port") if getattr(cfg, k)})
     if cfg.drafter is not None:
         ports["drafter_port"] = cfg.drafter_port
     for name, port in ports.items():
@@ -128,8 +131,10 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
         raise ValueError(f"ports must be distinct: {ports}")
 
     def model_args(model: str, port: int, dtype: str | None, revision: str | None, model_file: str | None,
-                   device: str | None, cpus: tuple[int, ...]) -> list[str]:
+                   device: str | None, cpus: tuple[int, ...], metrics_port: int) -> list[str]:
         args = ["--model", model, "--host", cfg.host, "--port", str(port)]
+        if metrics_port:
+            args += ["--metrics-port", str(metrics_port)]
         if device or cfg.device:
             args += ["--device", device or cfg.device]
         if cpus:
@@ -148,10 +153,12 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     if cfg.drafter is not None:
         cmds["drafter"] = [cfg.python, "-m", "drafter",
                            *model_args(cfg.drafter, cfg.drafter_port, cfg.drafter_dtype, cfg.drafter_revision,
-                                      cfg.drafter_file, cfg.drafter_device, cfg.drafter_cpus)]
+                                      cfg.drafter_file, cfg.drafter_device, cfg.drafter_cpus,
+                                      cfg.drafter_metrics_port)]
     cmds["verifier"] = [cfg.python, "-m", "verifier",
                         *model_args(cfg.target, cfg.verifier_port, cfg.target_dtype, cfg.target_revision,
-                                   cfg.target_file, cfg.verifier_device, cfg.verifier_cpus)]
+                                   cfg.target_file, cfg.verifier_device, cfg.verifier_cpus,
+                                   cfg.verifier_metrics_port)]
     gateway = [cfg.python, "-m", "gateway"]
     if cfg.drafter is not None:
         gateway += ["--drafter", f"{cfg.host}:{cfg.drafter_port}"]
@@ -227,6 +234,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter gRPC port (0 = free port)")
     parser.add_argument("--verifier-port", type=_port_arg, default=d.verifier_port,
                         help="verifier gRPC port (0 = free port)")
+    parser.add_argument("--drafter-metrics-port", type=int_arg("--drafter-metrics-port", 0, 65535), default=0,
+                        help="serve the drafter's Prometheus /metrics on this port (its --metrics-port; 0 = off)")
+    parser.add_argument("--verifier-metrics-port", type=int_arg("--verifier-metrics-port", 0, 65535), default=0,
+                        help="serve the verifier's Prometheus /metrics on this port (its --metrics-port; 0 = off)")
     parser.add_argument("--ready-timeout-s", type=_positive_float, default=d.ready_timeout_s,
                         help="how long to wait for every service to become healthy (model loading)")  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="directory for the services' logs (default: a new temp dir)")
@@ -253,6 +264,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         drafter_cpus=tuple(getattr(args, "drafter_cpus", None) or ()),
         verifier_cpus=tuple(getattr(args, "verifier_cpus", None) or ()),
         pipeline=getattr(args, "pipeline", None) or None,
+        drafter_metrics_port=getattr(args, "drafter_metrics_port", 0) or 0,
+        verifier_metrics_port=getattr(args, "verifier_metrics_port", 0) or 0,
         target_dtype=args.target_dtype,
         drafter_dtype=args.drafter_dtype,
         target_revision=getattr(args, "target_revision", None) or None,

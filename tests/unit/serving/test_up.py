@@ -7,6 +7,7 @@ standard gRPC health service (drafter, verifier) and HTTP /readyz (gateway).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import signal
@@ -235,6 +236,24 @@ def test_placement_and_pipeline_arguments(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert f"argument {flag}: " in err and message in err, err
+
+
+def test_model_servers_metrics_ports():
+    """--drafter-metrics-port / --verifier-metrics-port become each model server's --metrics-port (off
+    by default); they must differ from every other port."""
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    cfg = up.config_from_args(p.parse_args(["--drafter-metrics-port", "9101", "--verifier-metrics-port", "9102"]),
+                              environ={})
+    cmds = child_commands(dataclasses.replace(cfg, redis_url="redis://r:1/0"))
+    assert cmds["drafter"][cmds["drafter"].index("--metrics-port") + 1] == "9101"
+    assert cmds["verifier"][cmds["verifier"].index("--metrics-port") + 1] == "9102"
+    assert "--metrics-port" not in cmds["gateway"]
+    assert all("--metrics-port" not in c for c in child_commands(UpConfig(redis_url="redis://r:1/0")).values())
+    with pytest.raises(ValueError, match="distinct"):
+        child_commands(UpConfig(redis_url="redis://r:1/0", drafter_metrics_port=8000))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--verifier-metrics-port", "70000"])
 
 
 # -- Stack with fake children ------------------------------------------------------------------
