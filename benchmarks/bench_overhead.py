@@ -81,6 +81,27 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def grpc_floor(addr: str, n: int = 40) -> dict:
+    """The transport's own round trip: a trivial unary RPC to the verifier (GetVerifierInfo, answered from
+    memory), median ms, called back to back and after the caller and the server idled 10 and 100 ms (a
+    verification keeps both idle about that long, and waking idle threads is most of a call's cost)."""
+    from crossdraft.serving import rpc
+    from crossdraft.v1 import verifier_pb2, verifier_pb2_grpc
+
+    stub = verifier_pb2_grpc.VerifierServiceStub(rpc.client_channel(addr))
+    stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+    out = {}
+    for gap in (0.0, 0.01, 0.1):
+        xs = []
+        for _ in range(n):
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+            xs.append((time.perf_counter() - t0) * 1e3)
+        out[f"idle_{int(gap * 1000)}ms"] = round(statistics.median(xs), 3)
+    return out
+
+
 def groups_of(log: Path) -> dict:
     """The round log's steady rounds (each request's first round -- prefill, syncs -- left out), summarised
     for rounds that drafted, speculative rounds that drafted nothing, and target-only rounds."""
@@ -130,6 +151,8 @@ def main() -> None:
                                           *a.gateway_arg])
             gateways[mode] = (http, log)
         s.ready()
+        floor = grpc_floor(vaddr)
+        print(f"gRPC floor (the verifier's GetVerifierInfo, ms, by idle time before the call): {floor}", flush=True)
         for mode, (http, log) in gateways.items():
             for use in (True, False):  # warm-up, not counted
                 request(http, "def add(a, b):\n", a, use, False)
@@ -154,10 +177,11 @@ def main() -> None:
     result = {
         "benchmark": "overhead", "tag": tag, "target": a.target, "drafter": a.drafter,
         "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "clients": 1, "api": "REST (json and stream)",
-        "cpu": _cpu_name(), "machine": platform.node(), "python": platform.python_version(),
-        "meta": git_commit(),
+        "python": platform.python_version(),
+        "meta": {**git_commit(), "cpu": _cpu_name(), "machine": platform.node()},
         "gateway_args": a.gateway_arg, "fixed_k": a.fixed_k,
         "per_round": per_mode,
+        "grpc_floor_ms": floor,
         "definition": "overhead_ms = the round's wall time from the end of the request's previous round minus the "
                       "model time on its critical path (forwards and the model servers' queue waits); the first "
                       "round of each request (prefill, syncs) is left out",
