@@ -24,7 +24,7 @@ PROMPTS = ["def fibonacci(n):\n", "The three primary colors are", "SELECT name F
            "请用中文回答：天空为什么是蓝色的？", "import numpy as np\n\ndef softmax(x):\n",
            "Once upon a time, in a small village,", "class Stack:\n    def __init__(self):\n",
            "The capital of France is"]
-N = 16
+N = 10  # tokens per request: enough for several shared batches of drafts per session
 
 
 @pytest.fixture(scope="module", params=["gemma3-270m", "qwen2.5-coder-0.5b"])
