@@ -50,6 +50,11 @@ class Metrics:
                              "Tokens per second of a session's rounds over the latest rounds priced with measured "
                              "costs: what the chooser predicted (kind=predicted) and what they gave (kind=measured)",
                              ["kind"], registry=r)
+        # pipelined rounds: the blocks drafted during a verification, and what became of them (used: verified
+        # next; dropped: the block before them was not accepted whole)
+        self.ahead = Counter("crossdraft_blocks_drafted_ahead_total",
+                             "Blocks drafted while the block before them was verified (pipelined rounds), by "
+                             "outcome: used (verified next) or dropped", ["outcome"], registry=r)
         self._window: deque = deque(maxlen=self.GOODPUT_WINDOW)
         self._sums = [0.0, 0.0, 0.0, 0.0]  # predicted tokens, predicted s, tokens, s over the window
         self._wlock = threading.Lock()
@@ -69,6 +74,8 @@ class Metrics:
         self.round_seconds.labels("verify").observe(max(0.0, ev.verify_s - v_queue))
         self.round_seconds.labels("queue").observe(d_queue + v_queue)
         self.round_seconds.labels("overhead").observe(ev.overhead_s)
+        if getattr(ev, "ahead", ""):
+            self.ahead.labels(ev.ahead).inc()
         if getattr(ev, "speculative", False):
             self.draft_length.observe(ev.drafted)
             if ev.skip_reason:

@@ -51,3 +51,13 @@ def test_goodput_is_predicted_and_measured_over_the_latest_rounds():
     m2.round(_ev(2, 2, pt=3.0, ps=1.0, wall=1.0, ahead="used"))
     m2.round(_ev(2, 2))
     assert _value(m2, "crossdraft_round_goodput_tokens_per_second", kind="measured") == pytest.approx(2.0)
+
+
+def test_blocks_drafted_ahead_are_counted_by_outcome():
+    """Pipelined rounds: each round that drafted the next block during its verification counts it as used
+    or dropped; serial rounds count nothing."""
+    m = Metrics()
+    for ev in (_ev(4, 4, ahead="used"), _ev(4, 4, ahead="used"), _ev(4, 1, ahead="dropped"), _ev(4, 2)):
+        m.round(ev)
+    assert _value(m, "crossdraft_blocks_drafted_ahead_total", outcome="used") == 2
+    assert _value(m, "crossdraft_blocks_drafted_ahead_total", outcome="dropped") == 1
