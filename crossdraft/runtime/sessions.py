@@ -456,13 +456,13 @@ class DrafterSession(_ModelSession):
     262,144-token Gemma drafter under a Qwen target that skips 63% of the head's matmul.
     """
 
-    @torch.inference_mode()
     def _queued(self) -> float:
         """Seconds the latest forward waited for its batch to start (a batched server's KV pool records
         it; 0.0 unbatched): part of a DraftToken's forward_s, reported apart."""
         last = getattr(self.kv, "last", None)
         return last.queue_wait_s if last is not None else 0.0
 
+    @torch.inference_mode()
     def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1) -> torch.Tensor:
         """Logits of the token after ids + props over the allowed ids only: [A] float32 (keep > 1:
         the last `keep` positions' rows, [keep, A])."""
