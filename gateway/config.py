@@ -19,6 +19,11 @@ class GatewayConfig:
     discovery: str = "static"  # "static" (the addresses above) | "kubernetes" (watch EndpointSlices)
     verifier_service: str | None = None  # kubernetes: headless Service of the verifier pods
     drafter_service: str | None = None  # kubernetes: headless Service of the drafter pods (None = no drafter)
+    # a pool of drafter kinds beyond the first (gateway/pool.py): ((NAME, "host:port[,host:port]"), ...) with
+    # static discovery, ((NAME, SERVICE), ...) with kubernetes; per-kind tokenizers ((NAME, PATH), ...)
+    drafter_pool: tuple = ()
+    drafter_pool_services: tuple = ()
+    drafter_tokenizers: tuple = ()
     namespace: str = "default"  # kubernetes: namespace of those Services
     port_name: str = "grpc"  # kubernetes: name of the gRPC port in the EndpointSlices
     host: str = "0.0.0.0"  # bind address

@@ -23,6 +23,7 @@ from .config import GatewayConfig
 from .discovery import colocated
 from .job import Job
 from .metrics import Metrics
+from .pool import DrafterKind, kind_name
 from .sessions import RedisSessionStore, Session, server_session_id
 from .validation import check_input, validate_options
 
@@ -33,7 +34,10 @@ class Gateway:
     """placement: a :class:`gateway.discovery.Placement` over the verifier and drafter pools."""
 
     def __init__(self, cfg: GatewayConfig, pair: TokenPair, placement, store: RedisSessionStore, *,
-                 tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0):
+                 tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0, kinds=None):
+        """pair: the target paired with the first drafter kind (or alone); kinds: the pool of drafter
+        kinds (gateway/pool.py DrafterKind, the first one's pair being `pair`); None: the one drafter
+        of placement's "drafter" pool, if any."""
         self.cfg = cfg
         self.pair = pair
         self.placement = placement
@@ -62,12 +66,31 @@ class Gateway:
         self.model_revision = (v.info().get("revision") or "") if v is not None else ""
         self.drafter_revision = (d.info().get("revision") or "") if d is not None else ""
         self.has_drafter = pair.drafter_tok is not None and placement.pools["drafter"] is not None
+        if kinds is None:
+            kinds = ([DrafterKind(kind_name(self.drafter_model or "drafter"), "drafter", pair, self.drafter_model or "",
+                                  self.drafter_revision)] if self.has_drafter else [])
+        self.kinds: dict[str, DrafterKind] = {k.name: k for k in kinds}  # in the operator's order
+        self._by_key = {k.key: k for k in kinds}
+        self.has_drafter = bool(self.kinds)
+        if kinds:  # (the first kind: the drafter of a gateway with one)
+            self.drafter_model, self.drafter_revision = kinds[0].model, kinds[0].revision
+
+    def kind(self, name: str | None) -> DrafterKind | None:
+        """The drafter kind of that name (None: none of that name, or None asked)."""
+        return self.kinds.get(name) if name else None
+
+    def kind_of(self, key: str) -> DrafterKind | None:
+        """The drafter kind of a placement key ("drafter" or "drafter:NAME")."""
+        return self._by_key.get(key)
 
     def revision_conflict(self, kind: str, addr: str, refresh: bool = False) -> str | None:
         """Why the `kind` replica at `addr` may not be paired, or None: it serves the model this gateway
         pairs, by name, at another revision (other weights, maybe another tokenizer or EOS ids)."""
-        name, rev = ((self.model_name, self.model_revision) if kind == "verifier"
-                     else (self.drafter_model, self.drafter_revision))
+        if kind == "verifier":
+            name, rev = self.model_name, self.model_revision
+        else:
+            k = self.kind_of(kind)
+            name, rev = (k.model, k.revision) if k is not None else (self.drafter_model, self.drafter_revision)
         client = self.placement.client(kind, addr)
         info = client.info(refresh=True) if refresh else client.info()
         other = info.get("revision") or ""
@@ -85,9 +108,11 @@ class Gateway:
         except Exception:
             return False
 
-    def decoder(self, v_addr: str, d_addr: str | None) -> Decoder:
-        """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has."""
-        key = (v_addr, d_addr)
+    def decoder(self, v_addr: str, d_addr: str | None, kind: str = "drafter") -> Decoder:
+        """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has.
+        kind: the drafter's placement kind ("drafter:NAME" for a pool's later kinds), whose pairing
+        with the target the Decoder speaks."""
+        key = (v_addr, d_addr, kind if d_addr else "")
         with self._lock:
             dec = self._decoders.get(key)
             if dec is None:
@@ -95,12 +120,15 @@ class Gateway:
                 if why:
                     raise Unavailable(why)
                 v = self.placement.client("verifier", v_addr)
-                d = self.placement.client("drafter", d_addr) if d_addr else None
-                co = colocated(self.cfg.colocated, v_addr, d_addr, self.placement.info)
-                dec = self._decoders[key] = Decoder(self.pair, v, d, eos_ids=self.eos_ids, max_context=self.max_context,
-                                                    check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
+                d = self.placement.client(kind, d_addr) if d_addr else None
+                k = self.kind_of(kind) if d_addr else None
+                co = colocated(self.cfg.colocated, v_addr, d_addr, self.placement.info, kind)
+                dec = self._decoders[key] = Decoder(k.pair if k is not None else self.pair, v, d, eos_ids=self.eos_ids,
+                                                    max_context=self.max_context, check_context=True,
+                                                    drafter_timeout_s=self.cfg.drafter_timeout_s,
                                                     round_log=self.cfg.round_log, colocated=co,
-                                                    pipeline=pipeline_on(self.cfg.pipeline, co))
+                                                    pipeline=pipeline_on(self.cfg.pipeline, co),
+                                                    name=k.name if k is not None else "")
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------
@@ -117,8 +145,7 @@ class Gateway:
             return cached[1], cached[2]
         details: dict = {"redis": "ok" if self.store.ping() else "unreachable"}
         ok = details["redis"] == "ok"
-        for kind in ("verifier", "drafter"):
-            pool = self.placement.pools[kind]
+        for kind, pool in self.placement.pools.items():
             if pool is None:
                 continue
             states = {addr: self._health(kind, addr) for addr in pool.addresses()}
@@ -128,7 +155,10 @@ class Gateway:
                     why = self.revision_conflict(kind, addr, refresh=True) if st == "SERVING" else None
                 if why:
                     states[addr] = f"REFUSED ({why})"
-            details[kind + "s"] = states
+            if kind == "drafter" or kind.startswith("drafter:"):  # every kind's replicas (addresses are distinct)
+                details.setdefault("drafters", {}).update(states)
+            else:
+                details[kind + "s"] = states
             if kind == "verifier" and (not states or any(s != "SERVING" for s in states.values())):
                 ok = False
         states = details.get("verifiers") or {}
@@ -148,7 +178,7 @@ class Gateway:
         if gone:
             with self._lock:
                 for key in [k for k in self._decoders
-                            if ("verifier", k[0]) in gone or (k[1] is not None and ("drafter", k[1]) in gone)]:
+                            if ("verifier", k[0]) in gone or (k[1] is not None and (k[2], k[1]) in gone)]:
                     del self._decoders[key]
         return sorted(gone)
 
@@ -187,8 +217,9 @@ class Gateway:
         except Exception as e:  # noqa: BLE001 - a probe answers, never raises
             return f"unreachable ({type(e).__name__})"
 
-    def end_on_servers(self, sid: str, v_addr: str | None, d_addr: str | None) -> None:
-        for kind, addr in (("verifier", v_addr), ("drafter", d_addr)):
+    def end_on_servers(self, sid: str, v_addr: str | None, d_addr: str | None, d_kind: str = "drafter") -> None:
+        """Drop session `sid` on the verifier and the drafter (of placement kind `d_kind`), best effort."""
+        for kind, addr in (("verifier", v_addr), (d_kind, d_addr)):
             if addr:
                 with contextlib.suppress(Exception):
                     self.placement.client(kind, addr).end(sid)
@@ -211,7 +242,9 @@ class Gateway:
         if s is None:
             return False  # none, or another key's (which stays)
         existed = self.store.delete(s)
-        self.end_on_servers(server_session_id(s.session_id, s.owner), s.verifier_address, s.drafter_address)
+        k = self.kind(s.drafter_kind) or next(iter(self.kinds.values()), None)
+        self.end_on_servers(server_session_id(s.session_id, s.owner), s.verifier_address, s.drafter_address,
+                            k.key if k is not None else "drafter")
         return existed
 
     # ---- generation --------------------------------------------------------------------------
@@ -233,10 +266,10 @@ class Gateway:
                     v.fork(base.sid, j.sid)
                     forked += 1
             if base.use_drafter and base.d_addr and base.d_ids:
-                d = self.placement.client("drafter", base.d_addr)
+                d = self.placement.client(base.d_key, base.d_addr)
                 d.sync(base.sid, base.d_ids, prefill=True)
                 for j in jobs[1:]:
-                    if j.use_drafter and j.d_addr == base.d_addr and j.d_ids == base.d_ids:
+                    if j.use_drafter and j.d_key == base.d_key and j.d_addr == base.d_addr and j.d_ids == base.d_ids:
                         d.fork(base.sid, j.sid)
                         forked += 1
         except Exception as e:  # the runs sync by themselves

@@ -180,8 +180,12 @@ class Placement:
     # a request that chose the pod just before it left gets to start its calls
     gone_grace_s = 60.0
 
-    def __init__(self, verifiers: Pool, drafters: Pool | None, make_verifier, make_drafter):
+    def __init__(self, verifiers: Pool, drafters: Pool | None, make_verifier, make_drafter, more_drafters=None):
+        """more_drafters: {NAME: Pool} of a pool of drafter kinds beyond the first (gateway/pool.py), kept
+        under the kind "drafter:NAME" (clients made by make_drafter)."""
         self.pools = {"verifier": verifiers, "drafter": drafters}
+        for name, pool in (more_drafters or {}).items():
+            self.pools[f"drafter:{name}"] = pool
         self.make = {"verifier": make_verifier, "drafter": make_drafter}
         self.clients: dict[tuple[str, str], object] = {}
         self.inflight: dict[tuple[str, str], int] = defaultdict(int)
@@ -192,7 +196,7 @@ class Placement:
         with self._lock:
             c = self.clients.get((kind, addr))
             if c is None:
-                c = self.clients[(kind, addr)] = self.make[kind](addr)
+                c = self.clients[(kind, addr)] = self.make[kind.partition(":")[0]](addr)
             return c
 
     def choose(self, kind: str, recorded: str | None, exclude=()) -> tuple[str | None, bool]:
@@ -310,13 +314,14 @@ def _apart(v_info: dict | None, d_info: dict | None) -> bool:
     return False
 
 
-def colocated(setting: str, v_addr: str, d_addr: str | None, info=None) -> bool:
+def colocated(setting: str, v_addr: str, d_addr: str | None, info=None, kind: str = "drafter") -> bool:
     """Whether the drafter at d_addr computes on the same hardware as the verifier at v_addr: "yes",
     "no", or "auto" -- both on this host's loopback, or the same host, unless the placement they
     report tells them apart (disjoint CPU sets, different CUDA devices; see ``_apart``).
 
     info: ``(kind, addr) -> ModelInfo dict or None`` (e.g. :meth:`Placement.info`), asked only
-    for a pair on one host; without it (or without an answer) the hosts alone decide."""
+    for a pair on one host; without it (or without an answer) the hosts alone decide. kind: the
+    drafter's placement kind ("drafter", or "drafter:NAME" in a pool of kinds)."""
     if setting in ("yes", "no"):
         return setting == "yes"
     if not d_addr:
@@ -329,4 +334,4 @@ def colocated(setting: str, v_addr: str, d_addr: str | None, info=None) -> bool:
     same_host = (local(hv) and local(hd)) or (hv == hd and hv != "")
     if not same_host or info is None:
         return same_host
-    return not _apart(info("verifier", v_addr), info("drafter", d_addr))
+    return not _apart(info("verifier", v_addr), info(kind, d_addr))

@@ -26,6 +26,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from .metrics import add_stats, stats_dict
+from .pool import PoolChoice, prior_order
 from .sessions import Session, server_session_id
 
 if TYPE_CHECKING:
@@ -66,9 +67,12 @@ class Job:
         self._placement: dict = {}
         self._lease_renewed = time.monotonic()
         self.sid = None
+        self.d_key, self.d_kind = "drafter", None  # the drafter kind (placement key, DrafterKind) the job drafts with
+        self.pool: PoolChoice | None = None  # the choice among a pool of drafter kinds (two or more)
+        self._abandoned: list[tuple[str, str]] = []  # (key, address) of drafters the job moved away from
         self._settings(opts)
-        self._choose_replicas(like)
         self.kind = self._kind(messages)
+        self._choose_replicas(like, prompt, messages)
         self.messages = (session.messages if session else []) + messages if self.kind == "chat" else None
         self.prompt_text = prompt
         self.t_ids, self.d_ids = self._prompt_ids(prompt)
@@ -90,17 +94,29 @@ class Job:
         self.draft = draft_config(merged, self.params, cfg.default_num_draft_tokens)
 
     def _recorded(self, like: Job | None, kind: str) -> str | None:
-        """The replica of `kind` this request should stay on: its sibling's (n completions), else
-        the one its session's caches live on, else none."""
+        """The replica of `kind` ("verifier", or a drafter kind's placement key) this request should stay
+        on: its sibling's (n completions), else the one its session's caches live on, else none."""
         if like is not None:
-            return like.v_addr if kind == "verifier" else like.d_addr
+            if kind == "verifier":
+                return like.v_addr
+            return like.d_addr if like.d_key == kind else None
         if self.session is not None:
-            return self.session.verifier_address if kind == "verifier" else self.session.drafter_address
+            if kind == "verifier":
+                return self.session.verifier_address
+            return self.session.drafter_address if self._session_kind() == kind else None
         return None
 
-    def _choose_replicas(self, like: Job | None) -> None:
-        """A verifier (Unavailable without one) and, if the request drafts, a drafter. Without a
-        ready drafter of the paired revision the request runs target-only, saying why."""
+    def _session_kind(self) -> str | None:
+        """The placement key of the drafter kind the session's drafter ids and address belong to."""
+        k = self.gw.kind(self.session.drafter_kind) if self.session.drafter_kind else next(
+            iter(self.gw.kinds.values()), None)
+        return k.key if k is not None else None
+
+    def _choose_replicas(self, like: Job | None, prompt=None, messages=None) -> None:
+        """A verifier (Unavailable without one) and, if the request drafts, a drafter kind and a replica
+        of it. With a pool of kinds, the kind the session's measurements (else the prompt's spelling)
+        put first that has a ready replica of the paired revision (:class:`gateway.pool.PoolChoice`);
+        without any, the request runs target-only, saying why."""
         gw = self.gw
         self.v_addr, _ = gw.placement.choose("verifier", self._recorded(like, "verifier"))
         if self.v_addr is None:
@@ -110,15 +126,62 @@ class Job:
         self.no_drafter_reason = ""
         if not self.use_drafter:
             return
-        self.d_addr, _ = gw.placement.choose("drafter", self._recorded(like, "drafter"))
-        if self.d_addr is None:
-            self.use_drafter, self.no_drafter_reason = False, "no ready drafter"
-            return
+        kinds = list(gw.kinds.values())
+        names = [k.name for k in kinds]
+        if like is not None and like.d_kind is not None:
+            names = [like.d_kind.name] + [n for n in names if n != like.d_kind.name]
+        if len(kinds) > 1:
+            text = prompt if prompt else " ".join(str(m.get("content", "")) for m in (messages or [])[-2:])
+            if like is None and not (self.session is not None and self.session.pool):
+                names = prior_order(kinds, text or "")
+            self.pool = PoolChoice(names, self.session.pool if self.session is not None else None, self._switch,
+                                   gw.metrics)
+            if like is None:
+                names = self.pool.first()
+        for name in names:
+            if self._take(gw.kinds[name], self._recorded(like, gw.kinds[name].key)):
+                if self.pool is not None:
+                    self.pool.started(name)
+                return
+            if self.pool is not None:
+                self.pool.down.add(name)
+        self.use_drafter, self.d_kind, self.d_key = False, None, "drafter"
+
+    def _take(self, kind, recorded: str | None) -> bool:
+        """Choose a ready replica of drafter `kind` (the recorded one while it is ready) of the paired
+        revision; False (and no_drafter_reason says why) when there is none."""
+        gw = self.gw
+        addr, _ = gw.placement.choose(kind.key, recorded)
+        if addr is None:
+            self.no_drafter_reason = "no ready drafter" + (f" of kind {kind.name}" if len(gw.kinds) > 1 else "")
+            return False
         why = None
         with contextlib.suppress(Exception):  # an unreachable drafter shows when the run calls it
-            why = gw.revision_conflict("drafter", self.d_addr)
-        if why:  # a replica serving another revision of the drafter is not paired: target-only
-            self.use_drafter, self.no_drafter_reason, self.d_addr = False, why, None
+            why = gw.revision_conflict(kind.key, addr)
+        if why:  # a replica serving another revision of the drafter is not paired
+            self.no_drafter_reason = why
+            return False
+        self.d_addr, self.d_key, self.d_kind, self.no_drafter_reason = addr, kind.key, kind, ""
+        return True
+
+    def _switch(self, name: str):
+        """A pool's request moves to drafter kind `name` (PoolChoice asks between two rounds): the Decoder
+        of the run's verifier with a ready replica of that kind, or None when it has none."""
+        gw = self.gw
+        old_key, old_addr = self.d_key, self.d_addr
+        if not self._take(gw.kinds[name], self._recorded(None, gw.kinds[name].key)):
+            return None
+        try:
+            dec = gw.decoder(self.v_addr, self.d_addr, self.d_key)
+        except (Unavailable, ResourceExhausted):
+            self.d_key, self.d_addr = old_key, old_addr
+            return None
+        if self._placed:
+            gw.placement.release(old_key, old_addr)
+            gw.placement.acquire(self.d_key, self.d_addr)
+        if old_addr and (old_key, old_addr) != (self.d_key, self.d_addr):
+            self._abandoned.append((old_key, old_addr))
+        return dec
 
     def _kind(self, messages) -> str:
         """"chat" (messages) or "text" (a prompt); a session keeps the kind of its first turn."""
@@ -133,14 +196,16 @@ class Job:
         """(target ids, drafter ids or None) of everything the run sends: the chat so far with its
         template, or the session's ids followed by the prompt's, or the prompt alone."""
         gw, session, names = self.gw, self.session, self._names
-        pair = gw.pair
+        pair = self.d_kind.pair if self.d_kind is not None else gw.pair
         has_d = pair.drafter_tok is not None
+        # a session's drafter ids are those of the kind it drafted with: another kind re-encodes the text
+        same_kind = session is not None and self.d_kind is not None and self._session_kind() == self.d_key
         if self.kind == "chat":
             t_ids, d_ids = pair.chat_ids(self.messages, gw.model_name)
         elif session is not None and session.target_ids:
             t_ids = session.target_ids + list(pair.target_tok(prompt, add_special_tokens=False)["input_ids"])
             d_ids = (session.drafter_ids + list(pair.drafter_tok(prompt, add_special_tokens=False)["input_ids"])
-                     if has_d and session.drafter_ids
+                     if has_d and session.drafter_ids and same_kind
                      else (pair.encode_drafter(pair.target_tok.decode(t_ids)) if has_d else None))
         else:
             if not prompt:
@@ -161,10 +226,11 @@ class Job:
             params = dataclasses.replace(params, coupled=True)
         names, session = self._names, self.session
         try:
-            run = gw.decoder(addr, self.d_addr).run(
+            run = gw.decoder(addr, self.d_addr, self.d_key).run(
                 self.sid, self.t_ids, self.d_ids, max_new_tokens=self.max_new_tokens, params=params, seed=self.seed,
                 draft=self.draft, round_start=session.round_index if session else 0, use_drafter=self.use_drafter,
-                round_scope=self._round_scope, stop=self._stop, top_logprobs=self._top_logprobs)
+                round_scope=self._round_scope, stop=self._stop, top_logprobs=self._top_logprobs,
+                chooser=self.pool if self.use_drafter else None)
         except InvalidArgument as e:  # e.g. prompt + max_new_tokens past the context: in the caller's field names
             name = names.get(e.field, e.field)
             if name == e.field:
@@ -175,7 +241,7 @@ class Job:
         gw.placement.acquire("verifier", addr)
         self._v_held = addr
         if not self._placed:
-            gw.placement.acquire("drafter", self.d_addr)
+            gw.placement.acquire(self.d_key, self.d_addr)
             self._placed = True
 
     def _place(self, addr: str, refusal: Exception | None = None) -> None:
@@ -249,6 +315,8 @@ class Job:
         span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
         span.set_attribute("crossdraft.round.draft_queue_wait_ms", ev.draft_queue_s * 1e3)
         span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
+        if ev.drafter:
+            span.set_attribute("crossdraft.round.drafter", ev.drafter)
         if ev.ahead:
             span.set_attribute("crossdraft.round.ahead", ev.ahead)
         if ev.skip_reason:  # a speculative round that drafted nothing: the chooser's reason
@@ -385,13 +453,18 @@ class Job:
         """Where this session's caches live now (stored when the turn commits). The drafter's
         instance is best effort: a drafter that cannot answer leaves the request target-only."""
         pl = self.gw.placement
+        self._placement = {"verifier_address": self.v_addr,
+                           "verifier_instance": pl.client("verifier", self.v_addr).instance_id}
+        self._placement.update(self._drafter_placement())
+
+    def _drafter_placement(self) -> dict:
+        """The session's drafter fields: its kind, replica and that replica's instance (best effort)."""
         d_instance = ""
         if self.d_addr:
             with contextlib.suppress(ResourceExhausted, Unavailable):
-                d_instance = pl.client("drafter", self.d_addr).instance_id
-        self._placement = {"verifier_address": self.v_addr,
-                           "verifier_instance": pl.client("verifier", self.v_addr).instance_id,
-                           "drafter_address": self.d_addr or "", "drafter_instance": d_instance}
+                d_instance = self.gw.placement.client(self.d_key, self.d_addr).instance_id
+        return {"drafter_address": self.d_addr or "", "drafter_instance": d_instance,
+                "drafter_kind": self.d_kind.name if self.d_kind is not None and self.d_addr else ""}
 
     def _keep_lease(self) -> None:
         """Renew the session's lease a quarter of its life after the last renewal: a turn longer
@@ -410,6 +483,12 @@ class Job:
         the longest common prefix; the reply's reused_target_tokens / reused_drafter_tokens count it)."""
         new = copy.copy(self.session)  # (the pre-turn session stays as it was read)
         new.__dict__.update(self._placement)
+        if self._abandoned:  # the run moved to another drafter kind: the session's drafter is that one
+            new.__dict__.update(self._drafter_placement())
+        if self.pool is not None:
+            new.pool = self.pool.snapshot()
+        if not self.use_drafter and self.run.drafter_ids is None:
+            new.drafter_kind = self.session.drafter_kind  # (a target-only turn keeps the session's kind and ids)
         new.target_ids = list(self.run.target_ids)
         if self.run.drafter_ids is not None:
             new.drafter_ids = list(self.run.drafter_ids)
@@ -424,6 +503,10 @@ class Job:
         new.stats = add_stats(new.stats, st)
         self.gw.store.commit(new, self.lease)
         self.session = new
+        for key, addr in self._abandoned:  # the session's cache on the drafters it left is of no use now
+            if (key, addr) != (self.d_key, self.d_addr):
+                self.gw.end_on_servers(self.sid, None, addr, key)
+        self._abandoned = []
 
     def _finish(self, status: str) -> None:
         if self._finished:
@@ -445,10 +528,12 @@ class Job:
             self._v_held = None
         if self._placed:
             self._placed = False
-            self.gw.placement.release("drafter", self.d_addr)
+            self.gw.placement.release(self.d_key, self.d_addr)
         if self.session is None and self.sid:
             sid, self.sid = self.sid, None
-            self.gw.end_on_servers(sid, self.v_addr, self.d_addr)
+            self.gw.end_on_servers(sid, self.v_addr, self.d_addr, self.d_key)
+            for key, addr in self._abandoned:
+                self.gw.end_on_servers(sid, None, addr, key)
 
 
 def _refusal(kind: str, addr: str, e: Exception) -> str:

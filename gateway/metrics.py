@@ -55,11 +55,23 @@ class Metrics:
         self.ahead = Counter("crossdraft_blocks_drafted_ahead_total",
                              "Blocks drafted while the block before them was verified (pipelined rounds), by "
                              "outcome: used (verified next) or dropped", ["outcome"], registry=r)
+        # a pool of drafter kinds (gateway/pool.py): each request's choices of kind, and each kind's drafts
+        self.pool_choices = Counter("crossdraft_drafter_choices_total",
+                                    "Drafter kinds chosen for requests, by kind and outcome: start (a request's first "
+                                    "kind), explore (a kind not yet measured, tried), exploit (a measured kind worth "
+                                    "more), failover (the kind's drafter failed), none (no kind pays: target-only "
+                                    "rounds with rare probes)", ["drafter", "outcome"], registry=r)
+        self.kind_tokens = Counter("crossdraft_drafter_tokens_total",
+                                   "Draft tokens verified per drafter kind, by outcome (drafted, accepted): the "
+                                   "acceptance of each kind", ["drafter", "outcome"], registry=r)
         self._window: deque = deque(maxlen=self.GOODPUT_WINDOW)
         self._sums = [0.0, 0.0, 0.0, 0.0]  # predicted tokens, predicted s, tokens, s over the window
         self._wlock = threading.Lock()
 
     GOODPUT_WINDOW = 256
+
+    def pool_choice(self, drafter: str, outcome: str) -> None:
+        self.pool_choices.labels(drafter, outcome).inc()
 
     def round(self, ev) -> None:
         self.rounds.inc()
@@ -76,6 +88,9 @@ class Metrics:
         self.round_seconds.labels("overhead").observe(ev.overhead_s)
         if getattr(ev, "ahead", ""):
             self.ahead.labels(ev.ahead).inc()
+        if getattr(ev, "drafter", "") and ev.drafted:
+            self.kind_tokens.labels(ev.drafter, "drafted").inc(ev.drafted)
+            self.kind_tokens.labels(ev.drafter, "accepted").inc(ev.accepted)
         if getattr(ev, "speculative", False):
             self.draft_length.observe(ev.drafted)
             if ev.skip_reason:
@@ -108,6 +123,7 @@ def stats_dict(stats) -> dict:
         "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3,
         "total_ms": d["total_s"] * 1e3,
         "reused_target_tokens": d["reused_target_tokens"], "reused_drafter_tokens": d["reused_drafter_tokens"],
+        "drafter": d["drafter"], "drafter_switches": d["drafter_switches"], "drafter_choice": d["drafter_choice"],
     }
 
 
@@ -116,10 +132,11 @@ def add_stats(total: dict, s: dict) -> dict:
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "pipelined_blocks", "dropped_blocks",
               "caught_up", "prefill_ms", "draft_ms", "verify_ms", "draft_queue_ms", "verify_queue_ms",
-              "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens"):
+              "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens", "drafter_switches"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0
     out["mode"], out["draft_mode"], out["draws"] = s["mode"], s["draft_mode"], s["draws"]
     out["drafter_fallback"] = bool(total.get("drafter_fallback")) or s["drafter_fallback"]
     out["fallback_reason"] = s["fallback_reason"] or total.get("fallback_reason", "")
+    out["drafter"], out["drafter_choice"] = s.get("drafter", ""), s.get("drafter_choice", "")
     return out

@@ -238,6 +238,9 @@ class RestApi:
              "drafter": g.drafter_model,
              # the Hub commits served ("" for catalog models and local paths)
              "revision": getattr(g, "model_revision", ""), "drafter_revision": getattr(g, "drafter_revision", "")}
+        kinds = getattr(g, "kinds", {})
+        if len(kinds) > 1:  # a pool of drafter kinds: each by name, in the gateway's order
+            d["drafters"] = [{"name": k.name, "model": k.model, "revision": k.revision} for k in kinds.values()]
         return JSONResponse({"object": "list", "data": [d]})
 
     async def vocab(self, request: Request):

@@ -45,6 +45,7 @@ def session_json(s) -> dict:
             "drafter_tokens": len(s.drafter_ids), "options": {NAMES.get(k, k): v for k, v in s.options.items()},
             "stats": s.stats, "drafter_instance": s.drafter_instance, "verifier_instance": s.verifier_instance,
             "drafter_address": s.drafter_address, "verifier_address": s.verifier_address,
+            "drafter_kind": s.drafter_kind,
             "created": s.created_unix_s, "updated": s.updated_unix_s, "messages": s.messages, "text": s.text}
 
 

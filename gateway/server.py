@@ -16,6 +16,7 @@ from crossdraft.errors import CrossdraftError, InvalidArgument, Unavailable
 from crossdraft.serving.tls import TLSConfig
 
 from .config import GatewayConfig
+from .discovery import static_pool
 
 SERVICE_NAME = "crossdraft.v1.GatewayService"
 log = logging.getLogger("crossdraft.gateway")
@@ -41,12 +42,19 @@ def _add_address_flags(p: argparse.ArgumentParser) -> None:
                    help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
     p.add_argument("--drafter", default=_env("DRAFTER", None),
                    help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
+    p.add_argument("--drafter-pool", action="append", default=None, metavar="NAME=HOST:PORT[,HOST:PORT]",
+                   help="one more drafter kind (model) behind the gateway, by name, with its replicas; repeatable: "
+                        "each session drafts with the kind that measures best for it, or none (env "
+                        "CROSSDRAFT_DRAFTER_POOL: NAME=...;NAME=...)")
     p.add_argument("--discovery", choices=["static", "kubernetes"], default=_env("DISCOVERY", "static"),
                    help="static: --verifier/--drafter address lists; kubernetes: watch the Services' EndpointSlices")
     p.add_argument("--verifier-service", default=_env("VERIFIER_SERVICE", None),
                    help="kubernetes: verifier headless Service")
     p.add_argument("--drafter-service", default=_env("DRAFTER_SERVICE", None),
                    help="kubernetes: drafter headless Service")
+    p.add_argument("--drafter-pool-service", action="append", default=None, metavar="NAME=SERVICE",
+                   help="kubernetes: the headless Service of one more drafter kind; repeatable (env "
+                        "CROSSDRAFT_DRAFTER_POOL_SERVICES: NAME=SERVICE;NAME=SERVICE)")
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
                    help="kubernetes: namespace (env POD_NAMESPACE)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="Redis URL for sessions (env REDIS_URL)")
@@ -60,7 +68,9 @@ def _add_address_flags(p: argparse.ArgumentParser) -> None:
 def _add_request_flags(p: argparse.ArgumentParser) -> None:
     """Tokenizers, sessions and drafting: how the gateway runs a request."""
     p.add_argument("--target-tokenizer", default=_env("TARGET_TOKENIZER", None), help="default: the verifier's model")
-    p.add_argument("--drafter-tokenizer", default=_env("DRAFTER_TOKENIZER", None), help="default: the drafter's model")
+    p.add_argument("--drafter-tokenizer", action="append", default=None, metavar="[NAME=]PATH",
+                   help="the drafter's tokenizer (default: fetched from the drafter); NAME=PATH: a pool kind's; "
+                        "repeatable (env CROSSDRAFT_DRAFTER_TOKENIZER)")
     p.add_argument("--session-ttl-s", type=float_arg("--session-ttl-s", 0, above=True, env="CROSSDRAFT_SESSION_TTL_S"),
                    default=str(_env("SESSION_TTL_S", 3600)))
     p.add_argument("--drafter-timeout-s",
@@ -161,6 +171,32 @@ def _redis_password(a) -> str:
     return os.environ.get("REDIS_PASSWORD", "")
 
 
+def _drafter_pool_args(a) -> tuple[tuple, tuple, str | None, tuple]:
+    """(pool, pool services, the first kind's tokenizer, the pool kinds' tokenizers) from the flags,
+    else their CROSSDRAFT_* variables; NAME=VALUE items checked (gateway.pool.parse_named)."""
+    from .pool import NAME_RE, parse_named
+
+    pool = parse_named(a.drafter_pool if a.drafter_pool else _env("DRAFTER_POOL", ""), "drafter_pool")
+    services = parse_named(a.drafter_pool_service if a.drafter_pool_service
+                           else _env("DRAFTER_POOL_SERVICES", ""), "drafter_pool_service")
+    first, named = None, []
+    for spec in a.drafter_tokenizer or ([_env("DRAFTER_TOKENIZER", "")] if _env("DRAFTER_TOKENIZER", "") else []):
+        name, eq, path = spec.partition("=")
+        if eq and NAME_RE.match(name):
+            named.append(f"{name}={path}")
+        elif first is None:
+            first = spec
+        else:
+            raise InvalidArgument("drafter_tokenizer",
+                                  "given twice for the first drafter (name a pool kind: NAME=PATH)")
+    tokenizers = parse_named(named, "drafter_tokenizer")
+    kinds = set(pool) | set(services)
+    for name in tokenizers:
+        if name not in kinds:
+            raise InvalidArgument("drafter_tokenizer", f"{name!r} is not a drafter kind of --drafter-pool")
+    return tuple(pool.items()), tuple(services.items()), first, tuple(tokenizers.items())
+
+
 def config_from_args(a) -> GatewayConfig:
     if a.discovery == "static" and not a.verifier:
         raise InvalidArgument("verifier", "is required (--verifier or CROSSDRAFT_VERIFIER)")
@@ -176,6 +212,17 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
     if a.pipeline not in PIPELINE_CHOICES:
         raise InvalidArgument("pipeline", f"must be one of {', '.join(PIPELINE_CHOICES)}; got {a.pipeline!r}")
+    pool, pool_services, d_tok, pool_toks = _drafter_pool_args(a)
+    if pool and a.discovery != "static":
+        raise InvalidArgument("drafter_pool",
+                              "takes addresses with --discovery static (kubernetes: --drafter-pool-service)")
+    if pool_services and a.discovery != "kubernetes":
+        raise InvalidArgument("drafter_pool_service", "needs --discovery kubernetes (static: --drafter-pool)")
+    for name, spec in pool:
+        try:
+            static_pool("drafter", spec)
+        except ValueError as e:
+            raise InvalidArgument("drafter_pool", f"{name}: {e}") from None
     tls = TLSConfig(cert_file=getattr(a, "tls_cert_file", "") or "", key_file=getattr(a, "tls_key_file", "") or "")
     tls.check_server(require_client_ca=False)
     upstream = TLSConfig(cert_file=getattr(a, "upstream_tls_cert_file", "") or "",
@@ -191,7 +238,8 @@ def config_from_args(a) -> GatewayConfig:
                          discovery=a.discovery, verifier_service=a.verifier_service,
                          drafter_service=a.drafter_service or None, namespace=a.namespace,
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
-                         drafter_tokenizer=a.drafter_tokenizer, session_ttl_s=a.session_ttl_s,
+                         drafter_tokenizer=d_tok, drafter_pool=pool, drafter_pool_services=pool_services,
+                         drafter_tokenizers=pool_toks, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
@@ -215,45 +263,57 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
-    from .discovery import EndpointSliceWatcher, Placement, Pool, static_pool
+    from .discovery import EndpointSliceWatcher, Placement, Pool
+    from .pool import DrafterKind, kind_name
     from .sessions import RedisSessionStore
 
+    more: dict = {}  # a pool's kinds beyond the first: NAME -> Pool
     if pools is not None:
-        vpool, dpool = pools
+        vpool, dpool = pools[0], pools[1]
+        more = dict(pools[2]) if len(pools) > 2 else {}
     elif cfg.discovery == "kubernetes":
         vpool = Pool("verifier")
         dpool = Pool("drafter") if cfg.drafter_service else None
-        for pool, svc in ((vpool, cfg.verifier_service), (dpool, cfg.drafter_service)):
+        more = {name: Pool(f"drafter:{name}") for name, _ in cfg.drafter_pool_services}
+        watched = [(vpool, cfg.verifier_service), (dpool, cfg.drafter_service)]
+        watched += [(more[name], svc) for name, svc in cfg.drafter_pool_services]
+        for pool, svc in watched:
             if pool is not None:
                 EndpointSliceWatcher(pool, cfg.namespace, svc, cfg.port_name).start()
     else:
         try:
             vpool = static_pool("verifier", cfg.verifier)
             dpool = static_pool("drafter", cfg.drafter)
+            more = {name: static_pool(f"drafter:{name}", spec) for name, spec in cfg.drafter_pool}
         except ValueError as e:
             raise InvalidArgument("verifier" if "verifier" in str(e) else "drafter", str(e)) from None
     up = cfg.upstream_tls if cfg.upstream_tls.enabled else None
     placement = Placement(vpool, dpool, lambda a: RemoteVerifier(a, tracer, timeout_s=cfg.verifier_timeout_s, tls=up),
-                          lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s, tls=up))
+                          lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s, tls=up), more)
     verifier = _first_healthy(placement, "verifier", cfg.connect_timeout_s)
     vinfo = verifier.info()
-    drafter = _first_healthy(placement, "drafter", cfg.connect_timeout_s) if dpool is not None else None
-    dinfo = drafter.info() if drafter is not None else None
     t_tok = (load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer
              else _remote_tokenizer(verifier))
-    d_tok = None
-    if drafter:
-        d_tok = (load_tokenizer(cfg.drafter_tokenizer, progress=False) if cfg.drafter_tokenizer
-                 else _remote_tokenizer(drafter))
     _check_digest(t_tok, vinfo, "target")
-    if drafter:
+    tokenizers = dict(cfg.drafter_tokenizers)
+    kinds = []
+    for key in [k for k in placement.pools if k.startswith("drafter") and placement.pools[k] is not None]:
+        drafter = _first_healthy(placement, key, cfg.connect_timeout_s)
+        dinfo = drafter.info()
+        name = key.partition(":")[2] or kind_name(dinfo.get("model_name", ""))
+        if key == "drafter" and name in more:
+            raise InvalidArgument("drafter_pool", f"{name!r} names the first drafter (--drafter, serving "
+                                                  f"{dinfo.get('model_name')}): give the pool kind another name")
+        path = cfg.drafter_tokenizer if key == "drafter" else tokenizers.get(name)
+        d_tok = load_tokenizer(path, progress=False) if path else _remote_tokenizer(drafter)
         _check_digest(d_tok, dinfo, "drafter")
-    pair = token_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"] if dinfo else 0,
-                      draft_vocab=cfg.draft_vocab)
+        pair = token_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"], draft_vocab=cfg.draft_vocab)
+        kinds.append(DrafterKind(name, key, pair, dinfo.get("model_name", ""), dinfo.get("revision") or ""))
+    pair = kinds[0].pair if kinds else token_pair(t_tok, None, vinfo["vocab_size"], 0, draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
                               tls_ca_file=cfg.redis_tls_ca_file)
     return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
-                   max_context=vinfo["max_context_tokens"])
+                   max_context=vinfo["max_context_tokens"], kinds=kinds)
 
 
 # The gateway's caches of tokenizations, bounded. Each Rust BPE tokenizer keeps every word it splits

@@ -29,7 +29,7 @@ def session_to_proto(s) -> gateway_pb2.SessionInfo:
         options=options_to_proto(s.options), stats=stats_to_proto(s.stats), drafter_instance=s.drafter_instance,
         verifier_instance=s.verifier_instance, created_unix_s=s.created_unix_s, updated_unix_s=s.updated_unix_s,
         messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in s.messages], text=s.text,
-        drafter_address=s.drafter_address, verifier_address=s.verifier_address)
+        drafter_address=s.drafter_address, verifier_address=s.verifier_address, drafter_kind=s.drafter_kind)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):

@@ -56,6 +56,10 @@ class Session:
     verifier_instance: str = ""
     drafter_address: str = ""  # the pod (host:port) the session's rounds go to while it is ready
     verifier_address: str = ""
+    # a pool of drafter kinds (gateway/pool.py): the kind the session drafts with (its drafter_ids are in
+    # that kind's vocabulary; "" = the gateway's first kind) and what each kind was worth to it
+    drafter_kind: str = ""
+    pool: dict = field(default_factory=dict)
     # with API keys on: a hash of the key that created the session (never the key); only that key
     # may read, continue or delete it -- others get NOT_FOUND, as for a session that does not exist
     owner: str = ""

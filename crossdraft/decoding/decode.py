@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from crossdraft.decoding.costmodel import cost_ratio
-from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids
+from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids, encode_drafter_bytes
 from crossdraft.decoding.messages import Expect
 from crossdraft.decoding.output import Output, check_stop
 from crossdraft.decoding.pipeline import Pipelining
@@ -42,8 +42,10 @@ class Decoder(Pipelining):
 
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
                  max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
-                 round_log: str | None = None, colocated: bool = True, pipeline: bool = False):
+                 round_log: str | None = None, colocated: bool = True, pipeline: bool = False, name: str = ""):
         self.pair = pair
+        # the drafter kind this Decoder drafts with, in a gateway's pool of kinds ("" = the only one)
+        self.name = name
         self.verifier = verifier
         self.drafter = drafter if pair.drafter_tok is not None else None
         self.eos = set(int(e) for e in eos_ids)
@@ -171,7 +173,7 @@ class Decoder(Pipelining):
     # ---- a request --------------------------------------------------------------------------------
     def run(self, sid: str, target_ids: list[int], drafter_ids: list[int] | None, *, max_new_tokens: int,
             params: SamplingParams, seed: int, draft: DraftConfig, round_start: int = 0,
-            use_drafter: bool = True, round_scope=None, stop=(), top_logprobs: int = -1) -> Run:
+            use_drafter: bool = True, round_scope=None, stop=(), top_logprobs: int = -1, chooser=None) -> Run:
         """Validate and return the round iterator (its first step syncs both servers).
 
         stop: up to 4 strings; the output ends before the first one generated (finish_reason
@@ -183,6 +185,9 @@ class Decoder(Pipelining):
 
         round_scope: optional callable round_index -> context manager yielding record(RoundEvent);
         each round's port calls run inside it (the gateway opens the round's trace span there).
+        chooser: optional callable (Request, RoundEvent) -> Decoder or None, asked after each round that
+        does not end the request: a Decoder (another drafter kind over the same verifier) takes the
+        request over from the next round (:meth:`hand_over`; the gateway's pool of drafters).
         """
         check_int("max_new_tokens", max_new_tokens, 1)
         check_int("seed", seed, 0, 2**63 - 1)
@@ -202,6 +207,9 @@ class Decoder(Pipelining):
         req = Request(sid, list(target_ids), max_new_tokens, params, seed, draft, stats,
                        spec, d=DrafterState(list(drafter_ids), len(drafter_ids), len(drafter_ids)) if spec else None,
                        out=Output(stop=tuple(x.encode("utf-8") for x in stops), top_logprobs=top_logprobs))
+        req.chooser = chooser
+        if spec and self.name:
+            stats.drafter = self.name
         run = Run(None)
         run._gen = self._rounds(run, req, round_start, round_scope)
         return run
@@ -265,13 +273,15 @@ class Decoder(Pipelining):
         t_start = time.perf_counter()
         run.target_ids = req.t_ids
         run.drafter_ids = req.d.ids if req.d else None
+        run.decoder = self
         with self._lock:
             self._reqs[id(req)] = req
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
-            with self._lock:
-                self._reqs.pop(id(req), None)
+            dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
+            with dec._lock:
+                dec._reqs.pop(id(req), None)
             if req.ahead is not None:  # a run closed mid-round: its drafter call ends before the session's next
                 req.ahead.cancel()
                 try:
@@ -282,10 +292,11 @@ class Decoder(Pipelining):
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
+        dec = self
         while True:
             ev = None
             with (round_scope(round_index) if round_scope is not None else nullcontext(None)) as record:
-                done_round = self._round(req, round_index)
+                done_round = dec._round(req, round_index)
                 if record is not None:
                     record(done_round)
                 ev = done_round
@@ -293,6 +304,11 @@ class Decoder(Pipelining):
                 return
             round_index += 1
             run.next_round = round_index
+            if not ev.done and req.chooser is not None and req.ready is None and req.ahead is None:
+                other = req.chooser(req, ev)
+                if other is not None and other is not dec:
+                    dec.hand_over(req, other)
+                    dec = run.decoder = other
             if req.d is not None:
                 run.drafter_ids = req.d.ids
             if ev.done:
@@ -304,6 +320,41 @@ class Decoder(Pipelining):
             yield ev
             if ev.done:
                 return
+
+    def hand_over(self, req: Request, other: Decoder) -> None:
+        """Between two rounds, move the request to `other`: another drafter kind's Decoder over the same
+        verifier (a gateway's pool of drafters). The target side is untouched -- the verifier's session,
+        the output, the round counter -- so the text is what it would have been: each round's tokens
+        are the target's choice whatever was drafted. The new kind's view of the history is the
+        prompt (the target's rendering of it) and the generated bytes, re-encoded byte-exactly in its
+        vocabulary; its drafter gets the session when the request next drafts (as a session moved to
+        another replica does), with a drafting mode and a policy of its own."""
+        with self._lock:
+            self._reqs.pop(id(req), None)
+        with other._lock:
+            other._reqs[id(req)] = req
+        n_prompt = req.stats.prompt_tokens
+        gen = bytes(req.out.gen_bytes)
+        prompt = other.pair.encode_drafter(self.pair.target_tok.decode(req.t_ids[:n_prompt]))
+        state = DrafterState(list(prompt), 0, len(prompt), synced=False)
+        tail = encode_drafter_bytes(other.pair, gen) if gen else []
+        state.edit(len(prompt), tail)
+        state.gen_lens = [len(other.pair.d_bytes[t]) if t < len(other.pair.d_bytes) else 0 for t in tail]
+        state.sent = 0
+        req.d, req.spec, req.prev_drafted, req.k = state, other.drafter is not None, False, 0
+        req.drop_bonus, req.policy = False, None
+        req.stats.drafter_switches += 1
+        req.stats.drafter = other.name
+        if not req.spec:
+            return
+        other._choose_mode(req)
+        if not req.spec:  # the new kind refused the mask (its drafter failed): target-only, as any failure
+            return
+        pol = req.policy
+        req.k = pol.hi if pol.confident else req.draft.num_draft_tokens
+        if pol.costs.measured and req.draft.adaptive:
+            pol.expect_load(max(other._load, float(other._running)))
+            other._peers(req)
 
     # ---- the other requests in the loop -----------------------------------------------------------
     @property
@@ -421,7 +472,8 @@ class Decoder(Pipelining):
                           ahead="" if ahead is None else "used" if following is not None else "dropped",
                           skip_reason=skip_reason, speculative=req.spec, wall_s=t_end - t_round + gap,
                           predicted_tokens=predicted[0] if predicted else 0.0,
-                          predicted_s=predicted[1] * req.step_s if predicted else 0.0)
+                          predicted_s=predicted[1] * req.step_s if predicted else 0.0,
+                          drafter=self.name if req.spec else "")
 
     def _draft_step(self, req: Request, kk: int, remaining: int, round_index: int) -> Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

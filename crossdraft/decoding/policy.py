@@ -239,6 +239,14 @@ class DraftPolicy:
                 best_k, best_r = k, r
         return best_k, best_r
 
+    def value(self) -> float:
+        """What drafting is worth to this request now: the best rate over block sizes at the acceptance
+        estimate (tokens per target decoding step), or 1.0 (target-only) where no block size pays. A
+        gateway's pool of drafter kinds compares its kinds by it: each kind's policy prices its own
+        drafter's cost and acceptance against the same target step."""
+        best = self._best(self.acceptance.alpha())[1]
+        return best if best >= self.costs.need() else 1.0
+
     def _pays_at(self, alpha: float) -> bool:
         cfg = self.cfg
         if not cfg.adaptive or not cfg.allow_skip:

@@ -27,6 +27,7 @@ class Run:
         self.target_ids: list[int] = []
         self.drafter_ids: list[int] | None = None
         self.next_round: int = 0
+        self.decoder = None  # the Decoder running the rounds now (a pool's request may move to another kind's)
 
     def __iter__(self):
         return self
@@ -68,6 +69,8 @@ class Request:
     # when the previous round ended (perf_counter; 0.0 before the first): the time until the next round
     # starts is the front end's handling of that round's event, and counts in the next round's overhead
     t_end: float = 0.0
+    # a pool of drafter kinds: asked after each round whether another kind's Decoder takes over (Decoder.run)
+    chooser: object = None
 
     def remaining(self) -> int:
         """Tokens the request may still generate."""

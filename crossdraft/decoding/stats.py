@@ -59,6 +59,11 @@ class Stats:
     finish_reason: str = "length"
     drafter_fallback: bool = False  # the drafter failed or was too slow: the rest ran target-only
     fallback_reason: str = ""
+    # a pool of drafter kinds (gateway/pool.py): the kind that drafted last ("" = the only one, or none),
+    # how many times the request moved to another kind, and why the last choice was made
+    drafter: str = ""
+    drafter_switches: int = 0
+    drafter_choice: str = ""
     reused_target_tokens: int = 0  # verifier KV-cache entries reused from an earlier request
     reused_drafter_tokens: int = 0
 
@@ -140,3 +145,4 @@ class RoundEvent:
     # measured costs: what the chooser expected of the round (tokens, seconds; 0 = no prediction)
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
+    drafter: str = ""  # the drafter kind the round's request drafts with (a pool's; "" = unnamed)

@@ -99,4 +99,4 @@ def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
         sa.stop(None)
         sb.stop(None)
     # released, the decoder pairs the slow replica (same model, same revision as paired)
-    assert not decoding.is_alive() and (addr_b, None) in gw._decoders
+    assert not decoding.is_alive() and (addr_b, None, "") in gw._decoders

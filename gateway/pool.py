@@ -1,0 +1,211 @@
+"""A pool of drafter kinds behind one gateway, and each request's choice among them.
+
+A gateway may pair the target with several drafter models ("kinds": a same-family one, a tiny fast
+one, a multilingual one...), each with its own replicas and its own vocabulary mapping
+(:class:`DrafterKind`). No small model drafts well for every text, so each session chooses its kind
+by measurement (:class:`PoolChoice`): it starts on the kind its history says is best -- or, new, on
+the first kind whose tokenizer spells the prompt well (:func:`prior_order`: a drafter that spells
+Chinese byte by byte cannot draft it) -- and after each round compares the kinds by what the one
+chooser of draft lengths says each is worth: :meth:`crossdraft.decoding.policy.DraftPolicy.value`,
+the best rate its blocks reach at the session's acceptance of that kind and the kind's own costs
+(1.0 = drafting does not pay: "none"). A kind whose drafting fails or whose drafts do not pay is
+left for one not yet measured (exploration); once each has been measured the best one is kept, and
+left again only when another is worth clearly more (hysteresis). The estimates live with the
+session in Redis (:meth:`PoolChoice.snapshot`), so later turns start from them; a request moves to
+another kind between two rounds (:meth:`crossdraft.decoding.decode.Decoder.hand_over`), which never
+changes the text: the target decides every token."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}\Z")
+
+# How a request explores and keeps kinds. A kind is "measured" after EXPLORE_ROUNDS rounds that drafted
+# with it (or once its policy stops drafting because its drafts do not pay); while the kind a request is on
+# accepts less than GOOD_ALPHA of its drafts, or is not worth drafting at all, a kind not yet measured is
+# tried. A request stays at least DWELL rounds on a kind it moved to, and moves to a measured kind only
+# when that one is worth MARGIN times the current one's rate.
+EXPLORE_ROUNDS = 2
+GOOD_ALPHA = 0.6
+DWELL = 3
+MARGIN = 1.1
+DECAY = 0.85  # acceptance counts forget like the policy's (crossdraft.decoding.acceptance.AcceptanceModel)
+
+
+def check_name(name: str, field: str = "drafter_pool") -> str:
+    """A drafter kind's name: [a-z0-9][a-z0-9-]{0,39}."""
+    from crossdraft.errors import InvalidArgument
+
+    if not NAME_RE.match(name or ""):
+        raise InvalidArgument(field, f"bad drafter kind name {name!r} (want [a-z0-9][a-z0-9-]{{0,39}})")
+    return name
+
+
+def kind_name(model: str) -> str:
+    """A kind's name from its model's name: lower case, [a-z0-9-] only, at most 40 characters."""
+    base = (model or "drafter").rstrip("/").split("/")[-1].lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", base).strip("-")[:40].strip("-")
+    return name if NAME_RE.match(name) else "drafter"
+
+
+def parse_named(specs, field: str) -> dict[str, str]:
+    """NAME=VALUE items (a list of them, or one string of them separated by ';') as {NAME: VALUE}, in
+    order; a NAME twice, a bad NAME or an empty VALUE is InvalidArgument naming `field`."""
+    from crossdraft.errors import InvalidArgument
+
+    if isinstance(specs, str):
+        specs = [specs]
+    items: dict[str, str] = {}
+    for spec in specs or ():
+        for part in (p.strip() for p in str(spec).split(";")):
+            if not part:
+                continue
+            name, eq, value = part.partition("=")
+            name, value = name.strip(), value.strip()
+            if not eq or not value:
+                raise InvalidArgument(field, f"want NAME=VALUE, got {part!r}")
+            check_name(name, field)
+            if name in items:
+                raise InvalidArgument(field, f"drafter kind {name!r} given twice")
+            items[name] = value
+    return items
+
+
+@dataclass
+class DrafterKind:
+    """One drafter model behind the gateway: its name, the placement pool of its replicas ("drafter" for
+    the first kind, "drafter:NAME" for the others), its pairing with the target, its model and revision."""
+
+    name: str
+    key: str
+    pair: object  # crossdraft.vocab.pair.TokenPair
+    model: str = ""
+    revision: str = ""
+
+
+def bytes_per_token(tok, text: str) -> float:
+    """How many bytes of `text` one of the tokenizer's ids spells on average (a vocabulary that does not
+    know the text's script spells it a byte or two at a time)."""
+    data = text.encode("utf-8")
+    if not data:
+        return 0.0
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    return len(data) / max(1, n)
+
+
+def prior_order(kinds: list[DrafterKind], text: str, sample_chars: int = 2000) -> list[str]:
+    """The order in which a new session tries the kinds: first those whose tokenizers spell the prompt
+    about as compactly as the best one (within 15% in bytes per token), in the gateway's order of kinds
+    (the operator lists the cheapest first), then the others, most compact first. A prior only: the
+    rounds' measurements decide."""
+    if len(kinds) < 2 or not text:
+        return [k.name for k in kinds]
+    sample = text[-sample_chars:]
+    bpt = {k.name: bytes_per_token(k.pair.drafter_tok, sample) for k in kinds}
+    best = max(bpt.values())
+    fluent = [k.name for k in kinds if bpt[k.name] >= 0.85 * best]
+    rest = sorted((k.name for k in kinds if k.name not in fluent), key=lambda n: -bpt[n])
+    return fluent + rest
+
+
+class PoolChoice:
+    """One request's choice of drafter kind. ``estimates``: {kind: {"s": accepted, "t": trials (decayed
+    counts, as the policy's acceptance model), "n": rounds that drafted, "v": the kind's value the last
+    time it was measured}} carried over from the session's earlier turns. ``switch(name)`` returns the
+    Decoder of kind `name` for this request (None: no ready replica of it)."""
+
+    def __init__(self, order: list[str], estimates: dict | None, switch, metrics=None):
+        self.order = list(order)
+        self.est = {name: dict(e) for name, e in (estimates or {}).items() if name in self.order}
+        self.switch = switch
+        self.metrics = metrics
+        self.current: str | None = None
+        self.down: set[str] = set()  # kinds whose drafter failed this request (or had no ready replica)
+        self.since = 0  # rounds on the current kind
+        self.reason = ""  # why the current kind was chosen: start, explore, exploit, failover, none
+
+    # ---- the first choice ----------------------------------------------------------------------
+    def measured(self, name: str) -> bool:
+        return self.est.get(name, {}).get("n", 0) >= EXPLORE_ROUNDS
+
+    def value(self, name: str) -> float:
+        return float(self.est.get(name, {}).get("v", 1.0))
+
+    def alpha(self, name: str) -> float:
+        e = self.est.get(name)
+        return e["s"] / e["t"] if e and e.get("t", 0) > 0 else 0.0
+
+    def candidates(self) -> list[str]:
+        """The kinds this request may still use, best first: measured ones by value, then the prior order."""
+        live = [n for n in self.order if n not in self.down]
+        known = sorted((n for n in live if self.measured(n)), key=lambda n: -self.value(n))
+        return [n for n in known if self.value(n) > 1.0] + [n for n in live if not self.measured(n)] + \
+            [n for n in known if self.value(n) <= 1.0]
+
+    def first(self) -> list[str]:
+        """The kinds to start on, in order (the caller takes the first with a ready replica)."""
+        return self.candidates()
+
+    def started(self, name: str | None, reason: str = "start") -> None:
+        self.current, self.since, self.reason = name, 0, reason
+        if name is not None and self.metrics is not None:
+            self.metrics.pool_choice(name, reason)
+
+    # ---- after each round ----------------------------------------------------------------------
+    def __call__(self, req, ev):
+        """Decoder.run's chooser: the Decoder of the kind to move to, or None to stay."""
+        cur = self.current
+        if cur is None:
+            return None
+        self.since += 1
+        e = self.est.setdefault(cur, {"s": 0.0, "t": 0.0, "n": 0, "v": 1.0})
+        if ev.drafted > 0:
+            e["s"] = DECAY * e["s"] + ev.accepted
+            e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
+            e["n"] += 1
+            if req.policy is not None:
+                e["v"] = req.policy.value()
+        elif req.spec and ev.skip_reason in ("acceptance", "drafter busy"):
+            # the kind's policy stopped drafting for reasons of its own: measured, and worth nothing now
+            e["n"], e["v"] = max(e["n"], EXPLORE_ROUNDS), 1.0
+        if not req.spec:  # its drafter failed (or refused the request): another kind, else target-only
+            if not req.stats.drafter_fallback or req.d is None:
+                return None
+            self.down.add(cur)
+            return self._move(req, "failover", [n for n in self.candidates() if n != cur])
+        if self.since < DWELL or not self.measured(cur):
+            return None
+        live = [n for n in self.order if n not in self.down]
+        untried = [n for n in live if n != cur and not self.measured(n)]
+        poor = self.alpha(cur) < GOOD_ALPHA or self.value(cur) <= 1.0
+        if untried and poor:
+            return self._move(req, "explore", untried)
+        best = max((n for n in live if self.measured(n)), key=self.value, default=cur)
+        if best != cur and self.value(best) > 1.0 and self.value(best) > MARGIN * self.value(cur):
+            return self._move(req, "exploit", [best])
+        if not untried and self.value(cur) <= 1.0 and self.reason != "none":
+            self.reason = "none"  # no kind pays: the request stays here, its policy drafting only in rare probes
+            req.stats.drafter_choice = "none"
+            if self.metrics is not None:
+                self.metrics.pool_choice(cur, "none")
+        return None
+
+    def _move(self, req, reason: str, names: list[str]):
+        for name in names:
+            dec = self.switch(name)
+            if dec is None:
+                self.down.add(name)
+                continue
+            if reason == "failover":  # the request drafts again: it did not fall back to target-only
+                req.stats.drafter_fallback = False
+            self.started(name, reason)
+            req.stats.drafter_choice = reason
+            return dec
+        return None
+
+    def snapshot(self) -> dict:
+        """The estimates to keep with the session (rounded: a session document stays small)."""
+        return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4)}
+                for n, e in self.est.items()}
