@@ -7,6 +7,7 @@ kubernetes-validate (strict: unknown fields are errors) for every Kubernetes ver
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import subprocess
@@ -32,6 +33,8 @@ OTEL_ENDPOINT = "http://otel-collector.observability:4317"
 TARGET_HUB, DRAFTER_HUB = "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
 TARGET_SHA = "0e9e39f249a16976918f6564b8830bc894c89659"
 TARGET_GGUF, DRAFTER_GGUF = "example-org/Target-8B-GGUF", "example-org/Drafter-0.5B-GGUF"
+POOL_HUB, POOL_CPU = "meta-llama/Llama-3.2-1B-Instruct", "smollm2-135m"  # the "drafters" variant's two kinds
+L4_POOL = {"crossdraft.io/pool": "l4"}
 
 VARIANTS: dict[str, dict] = {
     "default": {},
@@ -87,6 +90,19 @@ VARIANTS: dict[str, dict] = {
         "drafter": {"model": DRAFTER_HUB, "revision": "v1.0"},
         "hub": {"hfTokenSecret": {"name": "hf-token"}, "download": {"enabled": False},
                 "cache": {"create": {"enabled": True, "size": "300Gi", "storageClassName": "nfs"}}},
+    },
+    # a pool of drafter kinds beside the drafter block (issue 41): a Hub model on another GPU pool with a
+    # batching setting of its own, and a CPU kind (no GPU, any node, its own port, no PDB); nothing else set
+    "drafters": {
+        "drafters": [
+            {"name": "llama", "model": POOL_HUB, "replicaCount": 3,
+             "resources": {"requests": {"cpu": "3", "memory": "12Gi"}, "limits": {"memory": "24Gi"}},
+             "nodeSelector": L4_POOL, "batching": {"maxRows": 8}},
+            {"name": "tiny-cpu", "model": POOL_CPU, "replicaCount": 1, "device": "cpu", "dtype": "float32",
+             "gpu": {"count": 0}, "nodeSelector": None, "tolerations": [], "ports": {"grpc": 50071},
+             "resources": {"requests": {"cpu": "4", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+             "pdb": {"enabled": False}},
+        ],
     },
 }
 
@@ -251,6 +267,18 @@ def test_crd_kinds_only_when_enabled(render):
     "hub.cache.create.size=lots",
     "hub.endpoint=mirror.internal",
     "gateway.pipeline=sometimes",
+    # drafters entries: a name (the gateway's NAME, also a DNS label) and a model, and the drafter's own rules
+    "drafters[0].model=m",
+    "drafters[0].name=a",
+    "drafters[0].name=Llama,drafters[0].model=m",
+    "drafters[0].name=a_b,drafters[0].model=m",
+    "drafters[0].name=-a,drafters[0].model=m",
+    "drafters[0].name=a-,drafters[0].model=m",
+    "drafters[0].name=" + "a" * 41 + ",drafters[0].model=m",
+    "drafters[0].name=a,drafters[0].model=m,drafters[0].replicaCount=-1",
+    "drafters[0].name=a,drafters[0].model=m,drafters[0].device=tpu",
+    "drafters[0].name=a,drafters[0].model=m,drafters[0].serviceAccount.create=false",  # the drafter's, shared
+    "drafters[0].name=a,drafters[0].model=m,drafters[0].unknownKey=1",
 ])
 def test_schema_rejects_bad_values(helm, bad_set):
     for cmd in (["template", RELEASE], ["lint"]):
@@ -803,3 +831,154 @@ def test_tls_without_its_secrets_is_refused_with_the_value_to_set(helm):
     assert r.returncode != 0 and "tls.gatewaySecret is required with tls.enabled" in r.stderr
     r = _run([helm, "template", RELEASE, str(CHART), "--set", "tls.healthPort=0"])
     assert r.returncode != 0 and "healthPort" in r.stderr
+
+
+# -------------------------------------------------------------------------------- a pool of drafter kinds
+
+
+POOL_KINDS = ("llama", "tiny-cpu")
+
+
+def _pool_env(docs) -> dict[str, str]:
+    env = env_of(gateway(docs))
+    return {k: env[k]["value"] for k in ("CROSSDRAFT_DRAFTER_POOL_SERVICES", "CROSSDRAFT_DRAFTER_POOL") if k in env}
+
+
+def test_drafters_render_a_deployment_and_service_per_kind(render):
+    """Each drafters entry: its own Deployment and headless Service <fullname>-drafter-<name> with its
+    model (ConfigMap key drafter-<name>-model), replicas, resources and nodeSelector, the rest from drafter:;
+    the gateway gets every kind by name, as Services (discovery) and as static addresses."""
+    docs = render("drafters")
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm == {"drafter-model": "qwen2.5-coder-0.5b", "verifier-model": "qwen2.5-coder-1.5b",
+                  "drafter-llama-model": POOL_HUB, "drafter-tiny-cpu-model": POOL_CPU}
+    llama, tiny = (find(docs, "Deployment", f"{FULL}-drafter-{n}") for n in POOL_KINDS)
+    assert (llama["spec"]["replicas"], tiny["spec"]["replicas"], drafter(docs)["spec"]["replicas"]) == (3, 1, 2)
+    assert container(llama)["resources"] == {"requests": {"cpu": "3", "memory": "12Gi", "nvidia.com/gpu": 1},
+                                             "limits": {"memory": "24Gi", "nvidia.com/gpu": 1}}
+    assert container(tiny)["resources"] == {"requests": {"cpu": "4", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+    assert pod_spec(llama)["nodeSelector"] == L4_POOL
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(llama)["tolerations"]
+    assert "nodeSelector" not in pod_spec(tiny) and "tolerations" not in pod_spec(tiny)  # null / [] = none
+    for doc, name, port in ((llama, "llama", 50061), (tiny, "tiny-cpu", 50071)):
+        comp = f"drafter-{name}"
+        c, env, spec = container(doc), env_of(doc), pod_spec(doc)
+        assert c["name"] == "drafter" and c["image"] == container(drafter(docs))["image"]
+        assert env["CROSSDRAFT_MODEL"]["valueFrom"]["configMapKeyRef"] == {"name": f"{FULL}-models",
+                                                                           "key": f"{comp}-model"}
+        assert env["CROSSDRAFT_PORT"]["value"] == str(port)
+        assert c["readinessProbe"]["grpc"] == {"port": port, "service": ""}
+        assert spec["serviceAccountName"] == f"{FULL}-drafter" and spec["automountServiceAccountToken"] is False
+        labels = doc["spec"]["selector"]["matchLabels"]
+        assert labels["app.kubernetes.io/component"] == comp  # not "drafter": the drafter's Service skips them
+        assert doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == comp
+        svc = find(docs, "Service", f"{FULL}-{comp}")["spec"]
+        assert svc["clusterIP"] == "None" and svc["selector"] == labels
+        assert {p["name"]: p["port"] for p in svc["ports"]} == {"grpc": port, "metrics": 9090}
+        (grpc_rule, _) = find(docs, "NetworkPolicy", f"{FULL}-{comp}")["spec"]["ingress"]
+        assert grpc_rule["from"] == [{"podSelector": {"matchLabels": _gateway_selector()}}]
+    # the entry's fields over the drafter's: a Hub id downloads; a settings block merges key by key
+    lenv, tenv = env_of(llama), env_of(tiny)
+    assert [i["name"] for i in pod_spec(llama)["initContainers"]] == ["download-model"]
+    assert "initContainers" not in pod_spec(tiny)
+    assert (lenv["CROSSDRAFT_MAX_BATCH_ROWS"]["value"], lenv["CROSSDRAFT_MAX_BATCH_TOKENS"]["value"]) == ("8", "4096")
+    assert (lenv["CROSSDRAFT_DEVICE"]["value"], lenv["CROSSDRAFT_DTYPE"]["value"]) == ("cuda", "bfloat16")
+    assert (tenv["CROSSDRAFT_DEVICE"]["value"], tenv["CROSSDRAFT_DTYPE"]["value"]) == ("cpu", "float32")
+    pdbs = {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert f"{FULL}-drafter-llama" in pdbs and f"{FULL}-drafter-tiny-cpu" not in pdbs  # its pdb.enabled: false
+    # the gateway: today's drafter as before, and every kind by name
+    env = env_of(gateway(docs))
+    assert env["CROSSDRAFT_DRAFTER_SERVICE"]["value"] == f"{FULL}-drafter"
+    assert env["CROSSDRAFT_DRAFTER"]["value"] == f"{FULL}-drafter.{NAMESPACE}.svc:50061"
+    assert _pool_env(docs) == {
+        "CROSSDRAFT_DRAFTER_POOL_SERVICES": f"llama={FULL}-drafter-llama;tiny-cpu={FULL}-drafter-tiny-cpu",
+        "CROSSDRAFT_DRAFTER_POOL": (f"llama={FULL}-drafter-llama.{NAMESPACE}.svc:50061;"
+                                    f"tiny-cpu={FULL}-drafter-tiny-cpu.{NAMESPACE}.svc:50071"),
+    }
+
+
+def _comparable(doc) -> dict:
+    """A manifest less what a drafters entry may change in it: the checksum of the ConfigMaps (a pod
+    annotation), the entries' keys in the models ConfigMap and their env in the gateway."""
+    doc = copy.deepcopy(doc)
+    tmpl = doc.get("spec", {}).get("template", {})
+    tmpl.get("metadata", {}).get("annotations", {}).pop("checksum/config", None)
+    if doc["kind"] == "ConfigMap":
+        doc["data"] = {k: v for k, v in doc["data"].items() if not k.startswith("drafter-") or
+                       k in ("drafter-model", "drafter-revision", "drafter-model-file")}
+    if doc["kind"] == "Deployment" and doc["metadata"]["name"] == f"{FULL}-gateway":
+        c = container(doc)
+        c["env"] = [e for e in c["env"] if not e["name"].startswith("CROSSDRAFT_DRAFTER_POOL")]
+    return doc
+
+
+@pytest.mark.parametrize("variant", ["default", "cpu"])
+def test_without_drafters_nothing_changes_and_with_them_only_their_objects_are_added(render, helm, variant_files,
+                                                                                     variant):
+    """drafters: [] (the default) is today's chart: one drafter kind, no pool env. Adding entries adds
+    their objects and the gateway's pool env, and leaves every other manifest as it was."""
+    base = {(d["kind"], d["metadata"]["name"]): d for d in render(variant)}
+    assert not [n for _, n in base if n.startswith(f"{FULL}-drafter-")]
+    assert not _pool_env(list(base.values()))
+    docs = _template(helm, (*variant_files[variant], *variant_files["drafters"]), K8S_VERSIONS[-1])
+    pool = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pdb = {("PodDisruptionBudget", f"{FULL}-drafter-llama")} if variant == "default" else set()
+    assert set(pool) - set(base) == {(kind, f"{FULL}-drafter-{n}") for n in POOL_KINDS
+                                     for kind in ("Deployment", "Service", "NetworkPolicy")} | pdb
+    assert set(base) <= set(pool)
+    for key, doc in base.items():
+        assert _comparable(pool[key]) == _comparable(doc), key
+
+
+def test_drafters_with_autoscaling_monitoring_and_a_pinned_drafter(helm, variant_files):
+    """HPA and ServiceMonitor per kind when the drafter has them; revision, modelFile and trustRemoteCode
+    belong to the drafter's model and are not inherited; without discovery the gateway still names every kind."""
+    docs = _template(helm, (*variant_files["drafters"], "--set", "drafter.autoscaling.enabled=true",
+                            "--set", "serviceMonitor.enabled=true", "--set", "drafter.revision=v2",
+                            "--set", "drafter.trustRemoteCode=true", "--set", "gateway.discovery.enabled=false"),
+                     K8S_VERSIONS[-1])
+    comps = ["drafter", *(f"drafter-{n}" for n in POOL_KINDS)]
+    hpas = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    assert set(hpas) == {f"{FULL}-{c}" for c in comps}
+    for c in comps:
+        assert hpas[f"{FULL}-{c}"]["scaleTargetRef"]["name"] == f"{FULL}-{c}"
+        assert "replicas" not in find(docs, "Deployment", f"{FULL}-{c}")["spec"]
+    sms = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    assert set(sms) == {f"{FULL}-{c}" for c in (*comps, "verifier", "gateway")}
+    for n in POOL_KINDS:
+        sm = sms[f"{FULL}-drafter-{n}"]["spec"]
+        assert sm["selector"]["matchLabels"]["app.kubernetes.io/component"] == f"drafter-{n}"
+        assert [e["port"] for e in sm["endpoints"]] == ["metrics"]
+    cm = find(docs, "ConfigMap", f"{FULL}-models")["data"]
+    assert cm["drafter-revision"] == "v2" and not [k for k in cm if k.startswith("drafter-llama-r")]
+    assert env_of(drafter(docs))["CROSSDRAFT_REVISION"]["valueFrom"]["configMapKeyRef"]["key"] == "drafter-revision"
+    assert "CROSSDRAFT_TRUST_REMOTE_CODE" in env_of(drafter(docs))
+    for n in POOL_KINDS:
+        env = env_of(find(docs, "Deployment", f"{FULL}-drafter-{n}"))
+        assert not {"CROSSDRAFT_REVISION", "CROSSDRAFT_TRUST_REMOTE_CODE"} & set(env), n
+    genv = env_of(gateway(docs))
+    assert "CROSSDRAFT_DISCOVERY" not in genv and set(_pool_env(docs)) == {"CROSSDRAFT_DRAFTER_POOL_SERVICES",
+                                                                         "CROSSDRAFT_DRAFTER_POOL"}
+    for d in docs:
+        if d["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(d, K8S_VERSIONS[-1], strict=True)
+
+
+def test_drafters_refused_with_the_value_to_fix(helm):
+    """What the schema cannot say: two entries of one name, a Service name past 63 characters."""
+    r = _run([helm, "template", RELEASE, str(CHART), "--set",
+              "drafters[0].name=a,drafters[0].model=m,drafters[1].name=a,drafters[1].model=n"])
+    assert r.returncode != 0 and 'drafters[1].name "a": two drafters entries have this name' in r.stderr
+    r = _run([helm, "template", RELEASE, str(CHART), "--set",
+              f"fullnameOverride={'f' * 40},drafters[0].name={'k' * 20},drafters[0].model=m"])
+    assert r.returncode != 0 and "is longer than 63 characters" in r.stderr, r.stderr
+
+
+def test_notes_list_the_drafter_kinds(helm, variant_files):
+    r = _run([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+              *variant_files["drafters"]])
+    assert r.returncode == 0, r.stderr
+    notes = r.stdout.split("NOTES:", 1)[1]
+    assert "Drafters : 2 x qwen2.5-coder-0.5b (cuda, bfloat16)" in notes
+    assert f"  llama  : 3 x {POOL_HUB} (cuda, bfloat16)" in notes
+    assert f"  tiny-cpu: 1 x {POOL_CPU} (cpu, float32)" in notes

@@ -91,6 +91,71 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- include "crossdraft.componentName" (list . "redis") -}}
 {{- end -}}
 
+{{/* Deep merge of src into dst, in place (dst must be a copy): include "crossdraft.mergeInto" (list $dst $src).
+Unlike mergeOverwrite, a false, 0 or "" in src wins too. */}}
+{{- define "crossdraft.mergeInto" -}}
+{{- $dst := index . 0 -}}
+{{- range $k, $val := index . 1 -}}
+{{- if and (kindIs "map" $val) (kindIs "map" (index $dst $k)) -}}
+{{- include "crossdraft.mergeInto" (list (index $dst $k) $val) -}}
+{{- else -}}
+{{- $_ := set $dst $k (and $val (deepCopy $val)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The drafter kinds, in order: the drafter block (component "drafter"), then one per drafters entry
+(component "drafter-<name>"). Sets $out.kinds and $out.pool (the entries only) to lists of
+dict(name, comp, service, values, ctx) -- ctx is what the model-server helpers take:
+  {{- $k := dict -}}{{- $_ := include "crossdraft.drafterKinds" (list $ $k) -}}
+An entry's values are the drafter block's with the entry's fields over them: Kubernetes objects
+(resources, nodeSelector, affinity, securityContexts, pod labels/annotations) and lists replace the
+drafter's, the settings blocks (image, ports, gpu, batching, modelCache, probes, autoscaling, pdb)
+are merged key by key; revision, modelFile and trustRemoteCode belong to a model and are not inherited.
+*/}}
+{{- define "crossdraft.drafterKinds" -}}
+{{- $root := index . 0 -}}
+{{- $out := index . 1 -}}
+{{- $kinds := list (dict "name" "" "comp" "drafter" "service" (include "crossdraft.drafterService" $root)
+      "values" $root.Values.drafter "ctx" (list $root "drafter")) -}}
+{{- $pool := list -}}
+{{- $seen := dict -}}
+{{- $replaced := list "resources" "nodeSelector" "affinity" "podSecurityContext" "securityContext" "podAnnotations" "podLabels" -}}
+{{- range $i, $e := $root.Values.drafters | default list -}}
+{{- $name := toString (required (printf "drafters[%d].name is required" $i) $e.name) -}}
+{{- if not (regexMatch "^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$" $name) -}}
+{{- fail (printf "drafters[%d].name %q: lowercase letters, digits and '-', 1-40 characters, starting and ending with a letter or digit" $i $name) -}}
+{{- end -}}
+{{- if hasKey $seen $name -}}
+{{- fail (printf "drafters[%d].name %q: two drafters entries have this name" $i $name) -}}
+{{- end -}}
+{{- $_ := set $seen $name true -}}
+{{- $_ := required (printf "drafters[%d].model is required (drafter %q)" $i $name) $e.model -}}
+{{- $comp := printf "drafter-%s" $name -}}
+{{- $svc := include "crossdraft.componentName" (list $root $comp) -}}
+{{- if gt (len $svc) 63 -}}
+{{- fail (printf "drafters[%d]: the Service name %q is longer than 63 characters: shorten the name (or fullnameOverride)" $i $svc) -}}
+{{- end -}}
+{{- $v := deepCopy $root.Values.drafter -}}
+{{- $_ := set $v "revision" "" -}}
+{{- $_ := set $v "modelFile" "" -}}
+{{- $_ := set $v "trustRemoteCode" false -}}
+{{- range $k, $val := omit $e "name" -}}
+{{- if has $k $replaced -}}
+{{- $_ := set $v $k (and $val (deepCopy $val)) -}}
+{{- else -}}
+{{- include "crossdraft.mergeInto" (list $v (dict $k $val)) -}}
+{{- end -}}
+{{- end -}}
+{{- $kind := dict "name" $name "comp" $comp "service" $svc "values" $v "ctx" (list $root $comp $v) -}}
+{{- $kinds = append $kinds $kind -}}
+{{- $pool = append $pool $kind -}}
+{{- end -}}
+{{- $_ := set $out "kinds" $kinds -}}
+{{- $_ := set $out "pool" $pool -}}
+{{- end -}}
+
 {{- define "crossdraft.redisExternal" -}}
 {{- if .Values.redis.external.existingSecret -}}true{{- end -}}
 {{- end -}}
@@ -142,11 +207,13 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- toYaml $res -}}
 {{- end -}}
 
-{{/* PodDisruptionBudget body: include "crossdraft.pdb" (list $ "drafter"). */}}
+{{/* PodDisruptionBudget body: include "crossdraft.pdb" (list $ "drafter" [values]); values default to .Values.<comp>. */}}
 {{- define "crossdraft.pdb" -}}
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
-{{- $pdb := (index $root.Values $comp).pdb -}}
+{{- $v := index $root.Values $comp -}}
+{{- if gt (len .) 2 }}{{ $v = index . 2 }}{{ end -}}
+{{- $pdb := $v.pdb -}}
 {{- if $pdb.enabled }}
 ---
 apiVersion: policy/v1
@@ -168,11 +235,13 @@ spec:
 {{- end }}
 {{- end -}}
 
-{{/* HPA: include "crossdraft.hpa" (list $ "drafter" "Deployment"). */}}
+{{/* HPA: include "crossdraft.hpa" (list $ "drafter" "Deployment" [values]); values default to .Values.<comp>. */}}
 {{- define "crossdraft.hpa" -}}
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
-{{- $as := (index $root.Values $comp).autoscaling -}}
+{{- $v := index $root.Values $comp -}}
+{{- if gt (len .) 3 }}{{ $v = index . 3 }}{{ end -}}
+{{- $as := $v.autoscaling -}}
 {{- $ctx := list $root $comp -}}
 {{- if $as.enabled }}
 {{- if and (not $as.targetCPUUtilizationPercentage) (not $as.customMetric.name) }}
@@ -238,11 +307,12 @@ include "crossdraft.isHubId" .Values.drafter.model. Local HF directories are abs
 {{- end -}}
 
 {{/* Env of a model server and of its download init container for Hub ids (revision, GGUF file, token, cache):
-include "crossdraft.hubEnv" (list $ "drafter"). The token only ever comes from the Secret. */}}
+include "crossdraft.hubEnv" (list $ "drafter" [values]). The token only ever comes from the Secret. */}}
 {{- define "crossdraft.hubEnv" -}}
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
 {{- $v := index $root.Values $comp -}}
+{{- if gt (len .) 2 }}{{ $v = index . 2 }}{{ end -}}
 {{- $hub := $root.Values.hub -}}
 - name: HF_HOME
   value: {{ include "crossdraft.hfHome" $root | quote }}

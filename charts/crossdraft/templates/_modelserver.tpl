@@ -1,11 +1,14 @@
 {{/*
-Pod template shared by the drafter Deployment and the verifier StatefulSet:
-include "crossdraft.modelServerPodTemplate" (list $ "drafter").
+Pod template shared by the drafter Deployments and the verifier StatefulSet:
+include "crossdraft.modelServerPodTemplate" (list $ "drafter" [values]); values default to .Values.<comp>
+(a drafters entry: the ctx of crossdraft.drafterKinds, list $ "drafter-<name>" <its values>).
 */}}
 {{- define "crossdraft.modelServerPodTemplate" -}}
 {{- $root := index . 0 -}}
 {{- $comp := index . 1 -}}
 {{- $v := index $root.Values $comp -}}
+{{- if gt (len .) 2 }}{{ $v = index . 2 }}{{ end -}}
+{{- $role := ternary "drafter" $comp (hasPrefix "drafter-" $comp) -}}
 {{- $hubModel := include "crossdraft.isHubId" $v.model -}}
 {{- $download := and $hubModel $root.Values.hub.download.enabled -}}
 metadata:
@@ -20,7 +23,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  serviceAccountName: {{ include "crossdraft.serviceAccountName" . }}
+  serviceAccountName: {{ include "crossdraft.serviceAccountName" (list $root $role) }}
   automountServiceAccountToken: false
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
@@ -66,7 +69,7 @@ spec:
         {{- end }}
   {{- end }}
   containers:
-    - name: {{ $comp }}
+    - name: {{ $role }}
       image: {{ include "crossdraft.image" (list $root $v.image) | quote }}
       imagePullPolicy: {{ include "crossdraft.pullPolicy" (list $root $v.image) }}
       ports:
@@ -89,7 +92,7 @@ spec:
               key: {{ $comp }}-model
         - name: CROSSDRAFT_DTYPE
           value: {{ $v.dtype | quote }}
-        {{- if eq $comp "drafter" }}
+        {{- if eq $role "drafter" }}
         - name: CROSSDRAFT_QUANTIZE
           value: {{ $v.quantize | quote }}
         {{- end }}
@@ -231,10 +234,11 @@ spec:
   {{- end }}
 {{- end -}}
 
-{{/* Headless Service of a model server: include "crossdraft.modelServerService" (list $ "drafter"). */}}
+{{/* Headless Service of a model server: include "crossdraft.modelServerService" (list $ "drafter" [values]). */}}
 {{- define "crossdraft.modelServerService" -}}
 {{- $root := index . 0 -}}
 {{- $v := index $root.Values (index . 1) -}}
+{{- if gt (len .) 2 }}{{ $v = index . 2 }}{{ end -}}
 apiVersion: v1
 kind: Service
 metadata:
