@@ -14,7 +14,10 @@ Mapping rules (:func:`build_mapping`)
   ``t2d[t] >= 0`` exactly on the intersection and ``d2t[t2d[t]] == t``. A target id that is a
   non-canonical duplicate (Gemma ``<0x0A>`` when ``"\\n"`` exists) is *not* in the intersection:
   counting it too would count the same drafter mass twice.
-* Identical vocabularies (same bytes tables, same special sets): identity over non-special ids.
+* Identical vocabularies (same bytes tables, same special sets): identity over non-special ids. So
+  are vocabularies that differ only by ids past the shorter one that stand for no bytes (a Llama
+  variant's extra reserved special ids, a GGUF Qwen's ``[PADnnnnnn]`` placeholders): the byte-fallback
+  duplicates (``<0x20>`` beside ``▁``) then map to themselves too, and the pair is one vocabulary.
 * Tokens that the tokenizer never produces (a Gemma piece with a literal space, non-NFC pieces in
   Qwen, the ``[PAD]`` placeholders) may still be in the vocabulary. Mapping them is harmless for
   losslessness (the target verifies whatever is drafted), they just are almost never drafted.
@@ -126,19 +129,36 @@ def clear_memory_cache() -> None:
     clear_tables()
 
 
+# Bump when the mapping computed from two tables changes (part of every key, so no stale cache entry is
+# read). 2: identity for vocabularies equal up to reserved ids past the shorter one (_same_up_to_reserved).
+_MAPPING_REVISION = 2
+
+
 def _mapping_key(target: ByteTable, drafter: ByteTable) -> str:
-    h = hashlib.sha256(f"crossdraft-vocab-map-v{FORMAT_VERSION}".encode())
+    h = hashlib.sha256(f"crossdraft-vocab-map-v{FORMAT_VERSION}r{_MAPPING_REVISION}".encode())
     h.update(b"target:" + target.digest.encode())
     h.update(b"drafter:" + drafter.digest.encode())
     return h.hexdigest()
+
+
+def _same_up_to_reserved(target: ByteTable, drafter: ByteTable) -> bool:
+    """The same vocabulary but for ids past the shorter table that stand for no bytes (reserved special
+    ids, placeholders): the same bytes and byte-fallback flags id by id over the shorter one."""
+    n = min(len(target.bytes), len(drafter.bytes))
+    longer = target if len(target.bytes) > n else drafter
+    if any(b is not None for b in longer.bytes[n:]):
+        return False
+    same_fallback = bool(np.array_equal(target.byte_fallback[:n], drafter.byte_fallback[:n]))
+    return same_fallback and target.bytes[:n] == drafter.bytes[:n]
 
 
 def _compute(target: ByteTable, drafter: ByteTable, key: str) -> VocabMapping:
     nt, nd = len(target.bytes), len(drafter.bytes)
     d2t = np.full(nd, -1, dtype=np.int64)
     t2d = np.full(nt, -1, dtype=np.int64)
-    if target.digest == drafter.digest:
-        ids = np.array([i for i, b in enumerate(target.bytes) if b is not None], dtype=np.int64)
+    if target.digest == drafter.digest or _same_up_to_reserved(target, drafter):
+        n = min(nt, nd)
+        ids = np.array([i for i, b in enumerate(target.bytes[:n]) if b is not None], dtype=np.int64)
         d2t[ids] = ids
         t2d[ids] = ids
     else:

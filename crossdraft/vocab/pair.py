@@ -83,8 +83,12 @@ class TokenPair:
         nb = min(vd, len(self.d_bytes))
         has_bytes[:nb] = [len(b) > 0 for b in self.d_bytes[:nb]]
         self.allowed_text = has_bytes  # text drafting may use every drafter token that stands for bytes
+        # the same vocabulary: every drafter token that stands for bytes is allowed and is its own target
+        # id (greedy then drafts in TLI, no text re-encoding). The row counts may differ (Qwen2.5's small
+        # models have 151,936 logit rows, the 7B+ ones 152,064; Llama variants with extra reserved ids):
+        # ids past either tokenizer or past the other model's rows are padding, never allowed (resized).
         src = np.nonzero(self.allowed)[0]
-        self.same_vocab = vd == vt and bool(np.array_equal(self.d2t[src], src)) and int(has_bytes.sum()) == len(src)
+        self.same_vocab = bool(np.array_equal(self.d2t[src], src)) and bool(np.array_equal(self.allowed, has_bytes))
         if not self.allowed.any():
             raise InvalidArgument("drafter", "shares no token with the target's vocabulary")
         base = f"{self.mapping.key}-{vt}-{vd}"
