@@ -183,9 +183,10 @@ class PoolChoice:
         if untried and poor:
             return self._move(req, "explore", untried)
         best = max((n for n in live if self.measured(n)), key=self.value, default=cur)
-        if best != cur and self.value(best) > 1.0 and self.value(best) > MARGIN * self.value(cur):
+        if best != cur and self.value(best) > MARGIN * self.value(cur):
             return self._move(req, "exploit", [best])
-        if not untried and self.value(cur) <= 1.0 and self.reason != "none":
+        adaptive = getattr(getattr(req, "draft", None), "adaptive", True)  # (a fixed block drafts whatever)
+        if not untried and self.value(cur) <= 1.0 and adaptive and self.reason != "none":
             self.reason = "none"  # no kind pays: the request stays here, its policy drafting only in rare probes
             req.stats.drafter_choice = "none"
             if self.metrics is not None:

@@ -67,3 +67,31 @@ def noisy_copy(lm: TinyLM, noise: float, seed: int) -> TinyLM:
         for prm in out.model.parameters():
             prm.add_(noise * prm.std() * torch.randn_like(prm))
     return out
+
+
+def early_exit_pair(tokenizer, *, seed: int, hidden: int = 64, layers: int = 6, keep: int = 1,
+                    tail_scale: float = 0.05, head_scale: float = 25.0) -> tuple[TinyLM, TinyLM]:
+    """(target, drafter) of one tokenizer where the drafter is much cheaper than the target and agrees
+    with it on most tokens: the drafter is the target's first ``keep`` layers with its norm and head (an
+    early exit), and the target's later layers change the residual stream by ``tail_scale`` of what
+    theirs would. Priced by their weights' bytes (static costs), drafting pays -- unlike a noisy copy,
+    which costs what the target costs."""
+    import copy
+
+    from transformers import Qwen2ForCausalLM
+
+    target = tiny_lm(tokenizer, seed=seed, hidden=hidden, layers=layers, arch="qwen2", head_scale=head_scale)
+    with torch.no_grad():
+        for layer in target.model.model.layers[keep:]:
+            layer.self_attn.o_proj.weight.mul_(tail_scale)
+            layer.mlp.down_proj.weight.mul_(tail_scale)
+    cfg = copy.deepcopy(target.model.config)
+    cfg.num_hidden_layers = keep
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:keep]
+    small = Qwen2ForCausalLM(cfg)
+    small.load_state_dict(target.model.state_dict(), strict=False)
+    small.eval()
+    drafter = TinyLM(small, tokenizer, f"tiny-exit-{seed}", target.device, target.dtype, target.eos_token_ids,
+                     target.vocab_size)
+    return target, drafter

@@ -243,8 +243,12 @@ class DraftPolicy:
         """What drafting is worth to this request now: the best rate over block sizes at the acceptance
         estimate (tokens per target decoding step), or 1.0 (target-only) where no block size pays. A
         gateway's pool of drafter kinds compares its kinds by it: each kind's policy prices its own
-        drafter's cost and acceptance against the same target step."""
-        best = self._best(self.acceptance.alpha())[1]
+        drafter's cost and acceptance against the same target step. A request that drafts a fixed block
+        whatever it costs (not adaptive) is worth the rate of that block, below 1.0 where it loses."""
+        a = self.acceptance.alpha()
+        if not self.cfg.adaptive:
+            return self.costs.rate(self.cfg.num_draft_tokens, a)
+        best = self._best(a)[1]
         return best if best >= self.costs.need() else 1.0
 
     def _pays_at(self, alpha: float) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from crossdraft.decoding.decode import Decoder
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
+from tests import exact
 from tests.tiny_models import noisy_copy, tiny_lm
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox"]
@@ -27,6 +28,7 @@ def kinds(tok_t, tok_d, tmp_path_factory):
     close = Engine(target, noisy_copy(target, 0.25, seed=5), vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
     d_far = Decoder(far.pair, far.verifier, far.drafter_worker, check_context=False, name="far")
     d_close = Decoder(close.pair, far.verifier, close.drafter_worker, check_context=False, name="close")
+    d_far.models, d_close.models = (target, far.drafter), (target, close.drafter)  # (for the exact checks)
     return d_far, d_close, far
 
 
@@ -91,3 +93,24 @@ def test_a_hand_over_keeps_stop_strings_and_logprobs(kinds):
     res = run.result
     assert res.text == ref_stop.text and res.stats.finish_reason == ref_stop.stats.finish_reason
     assert [lp[0] for lp in res.logprobs] == pytest.approx([lp[0] for lp in ref_stop.logprobs], abs=1e-5)
+
+
+def test_sampling_rounds_are_exact_on_both_sides_of_a_hand_over(kinds, monkeypatch):
+    """Rejection sampling (no coupled draws): every recorded round, whichever kind drafted it, is exact
+    (tests/exact.py) -- the verifier's rows are target-only's for the history, each draft a sample of
+    the distribution its own drafter shipped (checked against that kind's model and mapping), each
+    position's emission distributed as the target's."""
+    d_far, d_close, _ = kinds
+    cap = exact.Capture(monkeypatch)
+    _, events = _run(d_close, "ho-exact", PROMPTS[0], {1: d_far, 3: d_close}, SamplingParams(temperature=1.0),
+                     seed=3, n=16)
+    by_round = {ev.round_index: {"far": d_far, "close": d_close}[ev.drafter] for ev in events}
+    rounds = cap.speculative()
+    assert {by_round[vc.round_index].name for vc in rounds} == {"far", "close"}
+    report = exact.Report()
+    for vc in rounds:
+        dec = by_round[vc.round_index]
+        exact.check_target_rows(dec.models[0].model, vc)
+        exact.check_drafts(cap, vc, dec.pair.d2t, dec.models[1].model)
+        exact.check_exact(cap, vc, report)
+    assert report.nodes > 0

@@ -1,0 +1,159 @@
+"""A pool of drafter kinds behind one gateway (gateway/pool.py, ``--drafter-pool``), through the real services.
+
+One stack of this file's own, on 127.0.0.1: Redis, a verifier (a tiny qwen2-style target of six layers
+with peaked heads), two drafter kinds -- "far", a random model of another vocabulary (it cannot draft
+this target's text: acceptance about 0), listed first, and "close", the target's first layer with its
+head (tests/tiny_models.py early_exit_pair: same vocabulary, a fraction of the target's cost, most of
+its drafts accepted) -- and a gateway with ``--drafter <far> --drafter-pool close=<close>``. Costs are
+static (tests/e2e/conftest.py) and blocks fixed (3 drafts a round, not adaptive: tiny models' rounds are
+so short that a gRPC call costs what a forward does, and an adaptive policy would rightly draft with
+neither kind), so the kinds are compared by the rate of that block at each kind's acceptance.
+The last test kills the close drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from crossdraft.client import Client
+from tests.service_fixtures import Services, metric_value
+
+N_NEW = 40
+FIXED = {"num_draft_tokens": 3, "adaptive_draft": False}
+PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "x = [i * i for i in range(10)]\nprint("]
+
+
+@pytest.fixture(scope="module")
+def close_dir(tmp_path_factory):
+    """The target and its early-exit drafter on disk (same tokenizer)."""
+    from tests.tiny_models import early_exit_pair
+    from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer
+
+    target, drafter = early_exit_pair(bytelevel_bpe_tokenizer(), seed=1)
+    out = tmp_path_factory.mktemp("pool-models")
+    for lm, name in ((target, "target"), (drafter, "close")):
+        eos = int(lm.tokenizer.eos_token_id)
+        lm.model.config.eos_token_id = eos
+        lm.model.generation_config.eos_token_id = eos
+        lm.model.save_pretrained(out / name)
+        lm.tokenizer.save_pretrained(out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool(close_dir, tiny_dirs, tmp_path_factory):
+    _, far_dir = tiny_dirs
+    with Services(tmp_path_factory.mktemp("pool-logs")) as s:
+        _, vaddr = s.verifier(close_dir / "target")
+        far, far_addr = s.drafter(far_dir)
+        close, close_addr = s.drafter(close_dir / "close")
+        s.ready()
+        _, http, grpc_addr = s.gateway(vaddr, far_addr, drafter_timeout_s=5,
+                                       extra=["--drafter-pool", f"close={close_addr}"])
+        s.ready()
+        yield {"http": http, "grpc": grpc_addr, "far": far, "close": close}
+
+
+def complete(http: str, body: dict) -> dict:
+    r = requests.post(http + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def reference(pool) -> dict:
+    return {p: complete(pool["http"], {"prompt": p, "max_tokens": N_NEW, "use_drafter": False}) for p in PROMPTS}
+
+
+def test_the_gateway_lists_its_drafter_kinds(pool):
+    d = requests.get(pool["http"] + "/v1/models", timeout=30).json()["data"][0]
+    assert [k["name"] for k in d["drafters"]][1:] == ["close"] and len(d["drafters"]) == 2
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_with_the_pool_is_the_target_only_text(pool, reference, prompt):
+    body = complete(pool["http"], {"prompt": prompt, "max_tokens": N_NEW, **FIXED})
+    ref = reference[prompt]
+    assert body["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert body["usage"] == ref["usage"]
+    names = [k["name"] for k in requests.get(pool["http"] + "/v1/models", timeout=30).json()["data"][0]["drafters"]]
+    assert body["speculative"]["drafter"] in names
+
+
+def test_grpc_greedy_with_the_pool_gives_the_target_only_ids(pool):
+    with Client(pool["grpc"]) as c:
+        ref = c.generate(PROMPTS[0], max_new_tokens=N_NEW, use_drafter=False)
+        got = c.generate(PROMPTS[0], max_new_tokens=N_NEW)
+    assert got.token_ids == ref.token_ids and got.stats["drafter"]
+
+
+def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_it(pool, reference):
+    """Turn 1 ends on "close" -- started on "far" (first in the gateway's order), it explores "close";
+    started on "close" (the prior: its tokenizer spells the prompt more compactly), it explores "far"
+    too when its fixed blocks do not pay at static costs, and comes back -- and the session stores the
+    kind and its estimates; turn 2 starts on "close" and stays there."""
+    http = pool["http"]
+    before = choices_of(http, "close")
+    sid = requests.post(http + "/v1/sessions", json={"max_tokens": N_NEW, **FIXED}, timeout=30).json()["session_id"]
+    try:
+        one = complete(http, {"prompt": PROMPTS[1], "session_id": sid})
+        s1 = one["speculative"]
+        assert one["choices"][0]["text"] == reference[PROMPTS[1]]["choices"][0]["text"]
+        assert s1["drafter"] == "close" and s1["drafter_switches"] >= 1, s1
+        assert s1["drafter_choice"] in ("explore", "exploit"), s1
+        assert s1["accepted"] > 0
+        info = requests.get(f"{http}/v1/sessions/{sid}", timeout=30).json()
+        assert info["drafter_kind"] == "close"
+        two = complete(http, {"prompt": " and then", "session_id": sid})
+        s2 = two["speculative"]
+        assert s2["drafter"] == "close" and s2["drafter_switches"] == 0, s2
+        assert s2["reused_drafter_tokens"] > 0  # the close drafter kept the session's cache from turn 1
+    finally:
+        requests.delete(f"{http}/v1/sessions/{sid}", timeout=30)
+    assert choices_of(http, "close") >= before + 2  # (turn 1 moved to it or started on it; turn 2 started on it)
+    assert metric_value(http, "crossdraft_drafter_tokens_total", '{drafter="close",outcome="accepted"}') > 0
+
+
+def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):
+    """A session settled on "close"; its drafter SIGKILLed once a third of a streamed turn has arrived: the
+    turn completes with the text of the same turns run target-only, failing over to the other kind (or,
+    were none left, target-only)."""
+    http = pool["http"]
+    first, second = PROMPTS[2][:12], PROMPTS[2][12:]
+
+    def session(**opts):
+        return requests.post(http + "/v1/sessions", json={"max_tokens": 8, **opts}, timeout=30).json()["session_id"]
+
+    ref_sid = session(use_drafter=False)
+    complete(http, {"prompt": first, "session_id": ref_sid})
+    text = complete(http, {"prompt": second, "session_id": ref_sid, "max_tokens": 96})["choices"][0]["text"]
+    sid = session(**FIXED)
+    complete(http, {"prompt": first, "session_id": sid})  # settles the session on a kind
+    r = requests.post(http + "/v1/completions", json={"prompt": second, "session_id": sid, "max_tokens": 96,
+                                                      "stream": True}, stream=True, timeout=120)
+    assert r.status_code == 200
+    pieces, final, killed = [], None, False
+    for line in r.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        assert "error" not in obj, obj
+        ch = obj["choices"][0]
+        pieces.append(ch["text"])
+        if ch["finish_reason"]:
+            final = obj
+        elif not killed and len("".join(pieces)) >= len(text) // 3:
+            pool["close"].kill()
+            killed = True
+    assert killed and final is not None
+    assert "".join(pieces) == text
+    s = final["speculative"]
+    assert s["drafter_choice"] == "failover" or s["drafter_fallback"], s
+
+
+def choices_of(http: str, kind: str) -> float:
+    """crossdraft_drafter_choices_total of `kind`, over the outcomes that put a request on it."""
+    return sum(metric_value(http, "crossdraft_drafter_choices_total", f'{{drafter="{kind}",outcome="{o}"}}')
+               for o in ("start", "explore", "exploit", "failover"))

@@ -1,0 +1,144 @@
+"""A request's choice among a pool of drafter kinds (gateway/pool.py PoolChoice, prior_order, parse_named).
+
+The chooser is driven round by round with what each round showed (drafted, accepted, the kind's policy's
+value); `switch` stands for the gateway's move to a kind's Decoder (no model servers here: the decoding
+side of a move has its own tests, tests/unit/decoding/test_hand_over.py). The properties checked: a kind
+whose drafts fail is left for one not yet measured; a kind that drafts well is kept; measured kinds are
+compared by value with hysteresis; a failed drafter fails over; estimates carry over to the next turn."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from crossdraft.decoding.stats import Stats
+from crossdraft.errors import InvalidArgument
+from gateway import pool as P
+
+
+class Req:
+    """What PoolChoice reads of a request: its policy's value, whether it drafts, its stats, its drafter view."""
+
+    def __init__(self, value: float = 2.0):
+        self.val = value
+        self.policy = SimpleNamespace(value=lambda: self.val)
+        self.spec = True
+        self.stats = Stats()
+        self.d = object()
+
+
+def ev(drafted: int, accepted: int, skip: str = ""):
+    return SimpleNamespace(drafted=drafted, accepted=accepted, skip_reason=skip)
+
+
+def chooser(order, estimates=None, down=()):
+    moves = []
+
+    def switch(name):
+        moves.append(name)
+        return None if name in down else f"decoder-{name}"
+
+    pc = P.PoolChoice(order, estimates, switch)
+    pc.started(pc.first()[0])
+    return pc, moves
+
+
+def drive(pc, req, rounds, value_of=None):
+    """Run rounds (drafted, accepted) through the chooser, following its moves; the kinds each round ran on."""
+    seen = []
+    for d, a in rounds:
+        seen.append(pc.current)
+        if value_of is not None:
+            req.val = value_of[pc.current]
+        pc(req, ev(d, a))
+    return seen
+
+
+def test_a_kind_that_cannot_draft_is_left_for_an_untried_one_within_a_few_rounds():
+    pc, moves = chooser(["english", "multilingual"])
+    req = Req()
+    seen = drive(pc, req, [(4, 0)] * 3 + [(4, 4)] * 10, value_of={"english": 1.0, "multilingual": 2.5})
+    assert seen[0] == "english" and pc.current == "multilingual"
+    assert seen.index("multilingual") <= P.DWELL  # left as soon as it has been measured and dwelt
+    assert moves == ["multilingual"] and req.stats.drafter_choice == "explore"
+    snap = pc.snapshot()
+    assert snap["english"]["v"] == 1.0 and snap["multilingual"]["v"] == 2.5
+    assert snap["english"]["s"] == 0.0 and snap["multilingual"]["s"] > 0
+
+
+def test_a_kind_that_drafts_well_is_kept_without_exploring():
+    pc, moves = chooser(["same-family", "tiny"])
+    req = Req(3.0)
+    drive(pc, req, [(4, 4)] * 12)
+    assert moves == [] and pc.current == "same-family"
+
+
+def test_measured_kinds_are_compared_by_value_with_hysteresis():
+    est = {"a": {"s": 3.0, "t": 4.0, "n": 5, "v": 2.0}, "b": {"s": 3.0, "t": 4.0, "n": 5, "v": 2.1}}
+    pc, moves = chooser(["a", "b"], est)
+    assert pc.current == "b"  # the better measured kind first
+    req = Req()
+    # within the margin of each other: no flapping either way
+    drive(pc, req, [(4, 3)] * 8, value_of={"a": 2.0, "b": 2.1 / P.MARGIN * 1.01})
+    assert moves == []
+    # b's acceptance falls: its value drops below a's by more than the margin -> a
+    drive(pc, req, [(4, 0)] * 4, value_of={"a": 2.0, "b": 1.2})
+    assert moves == ["a"] and req.stats.drafter_choice == "exploit"
+
+
+def test_a_failed_drafter_fails_over_to_another_kind_and_skips_one_without_replicas():
+    pc, moves = chooser(["a", "b", "c"], down={"b"})
+    req = Req()
+    pc(req, ev(4, 3))
+    req.spec, req.stats.drafter_fallback = False, True  # (Decoder: the drafter's call failed)
+    assert pc(req, ev(0, 0)) == "decoder-c"
+    assert moves == ["b", "c"] and pc.current == "c" and pc.down == {"a", "b"}
+    assert req.stats.drafter_fallback is False and req.stats.drafter_choice == "failover"
+    # the last one fails too: nothing left, the request goes on target-only
+    req.spec, req.stats.drafter_fallback = False, True
+    assert pc(req, ev(0, 0)) is None and pc.current == "c"
+
+
+def test_no_kind_that_pays_is_reported_as_none_and_kept_without_moves():
+    est = {"a": {"s": 0.0, "t": 5.0, "n": 5, "v": 1.0}, "b": {"s": 0.1, "t": 5.0, "n": 5, "v": 1.0}}
+    pc, moves = chooser(["a", "b"], est)
+    req = Req(1.0)
+    for _ in range(P.DWELL + 2):
+        pc(req, ev(0, 0, "acceptance"))
+    assert moves == [] and req.stats.drafter_choice == "none"
+
+
+def test_a_new_turn_starts_on_the_best_measured_kind_and_explores_unmeasured_ones_before_poor_ones():
+    est = {"poor": {"s": 0.0, "t": 4.0, "n": 4, "v": 1.0}, "good": {"s": 3.0, "t": 4.0, "n": 4, "v": 1.8}}
+    assert P.PoolChoice(["poor", "new", "good"], est, None).first() == ["good", "new", "poor"]
+    # estimates of kinds the gateway no longer has are dropped
+    assert P.PoolChoice(["new"], est, None).first() == ["new"]
+
+
+class Tok:
+    """A tokenizer that spells `known` characters one id each and any other character byte by byte."""
+
+    def __init__(self, known: str):
+        self.known = set(known)
+
+    def __call__(self, text, add_special_tokens=False):
+        n = sum(1 if ch in self.known else len(ch.encode()) for ch in text)
+        return {"input_ids": list(range(n))}
+
+
+def test_the_prior_puts_the_kinds_that_spell_the_prompt_first_in_the_operators_order():
+    kinds = [P.DrafterKind(n, n, SimpleNamespace(drafter_tok=Tok(k))) for n, k in
+             (("english", "abcdefghijklmnopqrstuvwxyz "), ("multi", "abcdefghijklmnopqrstuvwxyz 你好世界"))]
+    assert P.prior_order(kinds, "hello world") == ["english", "multi"]
+    assert P.prior_order(kinds, "你好世界你好") == ["multi", "english"]
+
+
+def test_named_items_are_parsed_and_bad_ones_name_the_field():
+    assert P.parse_named(["a=h:1,h:2", "b-2=h:3"], "drafter_pool") == {"a": "h:1,h:2", "b-2": "h:3"}
+    assert P.parse_named("a=h:1; b=h:2", "drafter_pool") == {"a": "h:1", "b": "h:2"}
+    for bad in (["Upper=h:1"], ["a=h:1", "a=h:2"], ["a="], ["noequals"]):
+        with pytest.raises(InvalidArgument) as e:
+            P.parse_named(bad, "drafter_pool")
+        assert e.value.field == "drafter_pool"
+    assert P.kind_name("Qwen/Qwen2.5-Coder-0.5B@main") == "qwen2-5-coder-0-5b-main"
