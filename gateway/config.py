@@ -21,6 +21,7 @@ class GatewayConfig:
     drafter_service: str | None = None  # kubernetes: headless Service of the drafter pods (None = no drafter)
     # a pool of drafter kinds beyond the first (gateway/pool.py): ((NAME, "host:port[,host:port]"), ...) with
     # static discovery, ((NAME, SERVICE), ...) with kubernetes; per-kind tokenizers ((NAME, PATH), ...)
+    drafter_name: str | None = None  # the first drafter kind's name (None: from its model's name)
     drafter_pool: tuple = ()
     drafter_pool_services: tuple = ()
     drafter_tokenizers: tuple = ()

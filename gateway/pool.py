@@ -210,3 +210,53 @@ class PoolChoice:
         """The estimates to keep with the session (rounded: a session document stays small)."""
         return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4)}
                 for n, e in self.est.items()}
+
+
+def pool_args(a, env) -> tuple[tuple, tuple, str | None, tuple]:
+    """The gateway's pool flags (gateway.server): (pool, pool services, the first kind's tokenizer, the pool
+    kinds' tokenizers), each from its flag, else its CROSSDRAFT_* variable (``env(NAME, default)``); NAME=VALUE
+    items checked (:func:`parse_named`)."""
+    from crossdraft.errors import InvalidArgument
+
+    pool = parse_named(a.drafter_pool if a.drafter_pool else env("DRAFTER_POOL", ""), "drafter_pool")
+    services = parse_named(a.drafter_pool_service if a.drafter_pool_service
+                           else env("DRAFTER_POOL_SERVICES", ""), "drafter_pool_service")
+    first, named = None, []
+    for spec in a.drafter_tokenizer or ([env("DRAFTER_TOKENIZER", "")] if env("DRAFTER_TOKENIZER", "") else []):
+        name, eq, path = spec.partition("=")
+        if eq and NAME_RE.match(name):
+            named.append(f"{name}={path}")
+        elif first is None:
+            first = spec
+        else:
+            raise InvalidArgument("drafter_tokenizer",
+                                  "given twice for the first drafter (name a pool kind: NAME=PATH)")
+    tokenizers = parse_named(named, "drafter_tokenizer")
+    kinds = set(pool) | set(services)
+    for name in tokenizers:
+        if name not in kinds:
+            raise InvalidArgument("drafter_tokenizer", f"{name!r} is not a drafter kind of --drafter-pool")
+    return tuple(pool.items()), tuple(services.items()), first, tuple(tokenizers.items())
+
+
+def build_kinds(cfg, placement, t_tok, vinfo: dict, more: dict, *, healthy, tokenizer, check, make_pair):
+    """The gateway's drafter kinds, in order (the first drafter, then the pool's): for each, the first
+    healthy replica's ModelInfo and tokenizer (``tokenizer(path or None, client)``; checked against the
+    server's digest by ``check``) paired with the target's (``make_pair``). Every kind must be up when the
+    gateway starts: its vocabulary mapping is built from its tokenizer."""
+    from crossdraft.errors import InvalidArgument
+
+    tokenizers = dict(cfg.drafter_tokenizers)
+    kinds = []
+    for key in [k for k in placement.pools if k.startswith("drafter") and placement.pools[k] is not None]:
+        drafter = healthy(key)
+        dinfo = drafter.info()
+        name = key.partition(":")[2] or cfg.drafter_name or kind_name(dinfo.get("model_name", ""))
+        if key == "drafter" and name in more:
+            raise InvalidArgument("drafter_pool", f"{name!r} names the first drafter (--drafter, serving "
+                                                  f"{dinfo.get('model_name')}): give the pool kind another name")
+        d_tok = tokenizer(cfg.drafter_tokenizer if key == "drafter" else tokenizers.get(name), drafter)
+        check(d_tok, dinfo, "drafter")
+        pair = make_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"], draft_vocab=cfg.draft_vocab)
+        kinds.append(DrafterKind(name, key, pair, dinfo.get("model_name", ""), dinfo.get("revision") or ""))
+    return kinds

@@ -17,6 +17,7 @@ from crossdraft.serving.tls import TLSConfig
 
 from .config import GatewayConfig
 from .discovery import static_pool
+from .pool import pool_args
 
 SERVICE_NAME = "crossdraft.v1.GatewayService"
 log = logging.getLogger("crossdraft.gateway")
@@ -42,6 +43,9 @@ def _add_address_flags(p: argparse.ArgumentParser) -> None:
                    help="verifier address host:port (env CROSSDRAFT_VERIFIER)")
     p.add_argument("--drafter", default=_env("DRAFTER", None),
                    help="drafter address host:port (env CROSSDRAFT_DRAFTER; unset = target-only)")
+    p.add_argument("--drafter-name", default=_env("DRAFTER_NAME", None), metavar="NAME",
+                   help="the name of the first drafter kind (--drafter) in stats, spans and metrics (default: its "
+                        "model's name) (env CROSSDRAFT_DRAFTER_NAME)")
     p.add_argument("--drafter-pool", action="append", default=None, metavar="NAME=HOST:PORT[,HOST:PORT]",
                    help="one more drafter kind (model) behind the gateway, by name, with its replicas; repeatable: "
                         "each session drafts with the kind that measures best for it, or none (env "
@@ -171,32 +175,6 @@ def _redis_password(a) -> str:
     return os.environ.get("REDIS_PASSWORD", "")
 
 
-def _drafter_pool_args(a) -> tuple[tuple, tuple, str | None, tuple]:
-    """(pool, pool services, the first kind's tokenizer, the pool kinds' tokenizers) from the flags,
-    else their CROSSDRAFT_* variables; NAME=VALUE items checked (gateway.pool.parse_named)."""
-    from .pool import NAME_RE, parse_named
-
-    pool = parse_named(a.drafter_pool if a.drafter_pool else _env("DRAFTER_POOL", ""), "drafter_pool")
-    services = parse_named(a.drafter_pool_service if a.drafter_pool_service
-                           else _env("DRAFTER_POOL_SERVICES", ""), "drafter_pool_service")
-    first, named = None, []
-    for spec in a.drafter_tokenizer or ([_env("DRAFTER_TOKENIZER", "")] if _env("DRAFTER_TOKENIZER", "") else []):
-        name, eq, path = spec.partition("=")
-        if eq and NAME_RE.match(name):
-            named.append(f"{name}={path}")
-        elif first is None:
-            first = spec
-        else:
-            raise InvalidArgument("drafter_tokenizer",
-                                  "given twice for the first drafter (name a pool kind: NAME=PATH)")
-    tokenizers = parse_named(named, "drafter_tokenizer")
-    kinds = set(pool) | set(services)
-    for name in tokenizers:
-        if name not in kinds:
-            raise InvalidArgument("drafter_tokenizer", f"{name!r} is not a drafter kind of --drafter-pool")
-    return tuple(pool.items()), tuple(services.items()), first, tuple(tokenizers.items())
-
-
 def config_from_args(a) -> GatewayConfig:
     if a.discovery == "static" and not a.verifier:
         raise InvalidArgument("verifier", "is required (--verifier or CROSSDRAFT_VERIFIER)")
@@ -212,7 +190,20 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
     if a.pipeline not in PIPELINE_CHOICES:
         raise InvalidArgument("pipeline", f"must be one of {', '.join(PIPELINE_CHOICES)}; got {a.pipeline!r}")
-    pool, pool_services, d_tok, pool_toks = _drafter_pool_args(a)
+    pool, pool_services, d_tok, pool_toks = pool_args(a, _env)
+    # the flag of the other discovery is a mistake; its variable is not (a chart sets both, as it sets
+    # CROSSDRAFT_DRAFTER and CROSSDRAFT_DRAFTER_SERVICE): the discovery in use reads its own
+    if a.discovery == "kubernetes" and not a.drafter_pool:
+        pool = ()
+    if a.discovery == "static" and not a.drafter_pool_service:
+        pool_services = ()
+    d_name = getattr(a, "drafter_name", None) or None
+    if d_name:
+        from .pool import check_name
+
+        check_name(d_name, "drafter_name")
+        if d_name in dict(pool) or d_name in dict(pool_services):
+            raise InvalidArgument("drafter_name", f"{d_name!r} also names a --drafter-pool kind")
     if pool and a.discovery != "static":
         raise InvalidArgument("drafter_pool",
                               "takes addresses with --discovery static (kubernetes: --drafter-pool-service)")
@@ -238,7 +229,8 @@ def config_from_args(a) -> GatewayConfig:
                          discovery=a.discovery, verifier_service=a.verifier_service,
                          drafter_service=a.drafter_service or None, namespace=a.namespace,
                          http_port=a.http_port, grpc_port=a.grpc_port, target_tokenizer=a.target_tokenizer,
-                         drafter_tokenizer=d_tok, drafter_pool=pool, drafter_pool_services=pool_services,
+                         drafter_tokenizer=d_tok, drafter_name=d_name, drafter_pool=pool,
+                         drafter_pool_services=pool_services,
                          drafter_tokenizers=pool_toks, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, draft_vocab=a.draft_vocab,
@@ -264,7 +256,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
     from .discovery import EndpointSliceWatcher, Placement, Pool
-    from .pool import DrafterKind, kind_name
+    from .pool import build_kinds
     from .sessions import RedisSessionStore
 
     more: dict = {}  # a pool's kinds beyond the first: NAME -> Pool
@@ -295,20 +287,10 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     t_tok = (load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer
              else _remote_tokenizer(verifier))
     _check_digest(t_tok, vinfo, "target")
-    tokenizers = dict(cfg.drafter_tokenizers)
-    kinds = []
-    for key in [k for k in placement.pools if k.startswith("drafter") and placement.pools[k] is not None]:
-        drafter = _first_healthy(placement, key, cfg.connect_timeout_s)
-        dinfo = drafter.info()
-        name = key.partition(":")[2] or kind_name(dinfo.get("model_name", ""))
-        if key == "drafter" and name in more:
-            raise InvalidArgument("drafter_pool", f"{name!r} names the first drafter (--drafter, serving "
-                                                  f"{dinfo.get('model_name')}): give the pool kind another name")
-        path = cfg.drafter_tokenizer if key == "drafter" else tokenizers.get(name)
-        d_tok = load_tokenizer(path, progress=False) if path else _remote_tokenizer(drafter)
-        _check_digest(d_tok, dinfo, "drafter")
-        pair = token_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"], draft_vocab=cfg.draft_vocab)
-        kinds.append(DrafterKind(name, key, pair, dinfo.get("model_name", ""), dinfo.get("revision") or ""))
+    kinds = build_kinds(cfg, placement, t_tok, vinfo, more,
+                        healthy=lambda key: _first_healthy(placement, key, cfg.connect_timeout_s),
+                        tokenizer=lambda path, client: load_tokenizer(path, progress=False) if path
+                        else _remote_tokenizer(client), check=_check_digest, make_pair=token_pair)
     pair = kinds[0].pair if kinds else token_pair(t_tok, None, vinfo["vocab_size"], 0, draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
                               tls_ca_file=cfg.redis_tls_ca_file)

@@ -112,7 +112,7 @@ def test_connections_to_pods_that_left_are_closed_once_unused(pods):
     list(gw.start(session_id=sid, prompt="def add(a, b):", messages=None, options={}).events())
     assert gw.get_session(sid).verifier_address == a1
     old = gw.placement.clients[("verifier", a1)]
-    assert (a1, da) in gw._decoders
+    assert (a1, da, "drafter") in gw._decoders
     # a request is placed on a1, then a1's pod leaves (a rollout) and a2 comes in
     job = gw.start(session_id=None, prompt="def sub(a, b):", messages=None, options={"max_new_tokens": 6})
     assert job.v_addr == a1
@@ -123,7 +123,7 @@ def test_connections_to_pods_that_left_are_closed_once_unused(pods):
     assert out["finish_reason"] and out["usage"]["completion_tokens"] >= 1
     gone = gw.forget_gone_pods()
     assert gone == [("verifier", a1)]
-    assert ("verifier", a1) not in gw.placement.clients and (a1, da) not in gw._decoders
+    assert ("verifier", a1) not in gw.placement.clients and (a1, da, "drafter") not in gw._decoders
     with pytest.raises(ValueError):  # the old channel is closed
         old.info(refresh=True)
     assert ("drafter", da) in gw.placement.clients  # the drafter stayed

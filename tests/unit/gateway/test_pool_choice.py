@@ -142,3 +142,50 @@ def test_named_items_are_parsed_and_bad_ones_name_the_field():
             P.parse_named(bad, "drafter_pool")
         assert e.value.field == "drafter_pool"
     assert P.kind_name("Qwen/Qwen2.5-Coder-0.5B@main") == "qwen2-5-coder-0-5b-main"
+
+
+def _config(argv, monkeypatch, env=None):
+    from gateway.server import build_parser, config_from_args
+
+    for k in ("CROSSDRAFT_DRAFTER_POOL", "CROSSDRAFT_DRAFTER_POOL_SERVICES", "CROSSDRAFT_DRAFTER_TOKENIZER",
+              "CROSSDRAFT_DRAFTER_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return config_from_args(build_parser().parse_args(["--verifier", "v:1", "--redis-url", "redis://r", *argv]))
+
+
+def test_the_gateways_pool_flags_and_variables(monkeypatch):
+    cfg = _config(["--drafter", "d:1", "--drafter-name", "first", "--drafter-pool", "b=h:2,h:3",
+                   "--drafter-pool", "c=h:4", "--drafter-tokenizer", "/tok/first", "--drafter-tokenizer", "c=/tok/c"],
+                  monkeypatch)
+    assert cfg.drafter_pool == (("b", "h:2,h:3"), ("c", "h:4")) and cfg.drafter_name == "first"
+    assert cfg.drafter_tokenizer == "/tok/first" and cfg.drafter_tokenizers == (("c", "/tok/c"),)
+    cfg = _config(["--drafter", "d:1"], monkeypatch, {"CROSSDRAFT_DRAFTER_POOL": "b=h:2;c=h:3"})
+    assert cfg.drafter_pool == (("b", "h:2"), ("c", "h:3"))
+    cfg = _config(["--discovery", "kubernetes", "--verifier-service", "v", "--drafter-pool-service", "b=svc-b"],
+                  monkeypatch)
+    assert cfg.drafter_pool_services == (("b", "svc-b"),)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--drafter-pool", "B=h:1"], "drafter_pool"),
+    (["--drafter-pool", "b=nohostport"], "drafter_pool"),
+    (["--drafter-pool", "b=h:1", "--drafter-pool", "b=h:2"], "drafter_pool"),
+    (["--drafter-pool-service", "b=svc"], "drafter_pool_service"),  # (static discovery)
+    (["--drafter-tokenizer", "zz=/tok"], "drafter_tokenizer"),  # not a kind
+    (["--drafter-name", "b", "--drafter-pool", "b=h:1"], "drafter_name"),
+])
+def test_bad_pool_flags_name_the_field(monkeypatch, argv, field):
+    with pytest.raises(InvalidArgument) as e:
+        _config(["--drafter", "d:1", *argv], monkeypatch)
+    assert e.value.field == field
+
+
+def test_each_discovery_reads_its_own_pool_variable(monkeypatch):
+    """The chart sets both variables (as it sets CROSSDRAFT_DRAFTER and CROSSDRAFT_DRAFTER_SERVICE)."""
+    env = {"CROSSDRAFT_DRAFTER_POOL": "b=svc-b.ns.svc:50061", "CROSSDRAFT_DRAFTER_POOL_SERVICES": "b=svc-b"}
+    static = _config(["--drafter", "d:1"], monkeypatch, env)
+    assert static.drafter_pool == (("b", "svc-b.ns.svc:50061"),) and static.drafter_pool_services == ()
+    k8s = _config(["--discovery", "kubernetes", "--verifier-service", "v"], monkeypatch, env)
+    assert k8s.drafter_pool == () and k8s.drafter_pool_services == (("b", "svc-b"),)

@@ -17,7 +17,7 @@ import pytest
 
 from crossdraft import cli
 from crossdraft.errors import InvalidArgument
-from crossdraft.serving import up
+from crossdraft.serving import up, upconfig
 from crossdraft.serving.up import DrafterKind, Stack, StackError, UpConfig, child_commands, resolve_ports
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +34,7 @@ def parse(argv: list[str]) -> UpConfig:
 def commands(argv: list[str], monkeypatch=None) -> dict[str, list[str]]:
     """The children's command lines for `crossdraft up ARGV` (ports after the given ones: taken by nothing)."""
     if monkeypatch is not None:
-        monkeypatch.setattr(up, "port_in_use", lambda host, port: False)
+        monkeypatch.setattr(upconfig, "port_in_use", lambda host, port: False)
     cfg = dataclasses.replace(parse(argv), redis_url=REDIS, python="/py")
     return child_commands(resolve_ports(cfg))
 
@@ -108,14 +108,14 @@ def test_two_drafters_give_two_children_with_their_ports_names_and_the_gateways_
     assert b[1:] == ["-m", "drafter", "--model", "HuggingFaceTB/SmolLM2-135M@main", "--host", "127.0.0.1",
                      "--port", "6003", "--dtype", "float32"]  # fmt: skip
     gw = cmds["gateway"]
-    assert gw[3:9] == ["--drafter", "127.0.0.1:6001", "--drafter-pool", "smollm2-135m=127.0.0.1:6003",
-                       "--verifier", "127.0.0.1:6002"]  # fmt: skip
+    assert gw[3:11] == ["--drafter", "127.0.0.1:6001", "--drafter-name", "qwen2-5-coder-0-5b", "--drafter-pool",
+                        "smollm2-135m=127.0.0.1:6003", "--verifier", "127.0.0.1:6002"]  # fmt: skip
     assert gw.count("--drafter") == 1 and gw.count("--drafter-pool") == 1
 
 
 def test_further_drafters_skip_ports_in_use(monkeypatch):
     busy = {50062, 50063}  # the verifier's, and something else listening here
-    monkeypatch.setattr(up, "port_in_use", lambda host, port: port in busy)
+    monkeypatch.setattr(upconfig, "port_in_use", lambda host, port: port in busy)
     cfg = resolve_ports(parse(["--drafter", "a=A", "--drafter", "b=B", "--drafter", "c=C"]))
     assert [k.port for k in up.drafters(cfg)] == [50061, 50064, 50065]
 
@@ -187,7 +187,7 @@ def test_dataclass_with_more_drafters(monkeypatch):
     cfg = UpConfig(drafter="D", drafter_port=6001, more_drafters=(DrafterKind("E", port=6005, metrics_port=9105),
                                                                   DrafterKind("F", name="f")),
                    redis_url=REDIS, python="/py")  # fmt: skip
-    monkeypatch.setattr(up, "port_in_use", lambda host, port: False)
+    monkeypatch.setattr(upconfig, "port_in_use", lambda host, port: False)
     cmds = child_commands(resolve_ports(cfg))
     assert list(cmds)[:3] == ["drafter-d", "drafter-e", "drafter-f"]
     # F names no port: it takes the one after E's; its metrics are off (the default), or follow E's with None
