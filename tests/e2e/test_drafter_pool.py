@@ -1,14 +1,12 @@
 """A pool of drafter kinds behind one gateway (gateway/pool.py, ``--drafter-pool``), through the real services.
 
-One stack of this file's own, on 127.0.0.1: Redis, a verifier (a tiny qwen2-style target of six layers
-with peaked heads), two drafter kinds -- "far", a random model of another vocabulary (it cannot draft
-this target's text: acceptance about 0), listed first, and "close", the target's first layer with its
-head (tests/tiny_models.py early_exit_pair: same vocabulary, a fraction of the target's cost, most of
-its drafts accepted) -- and a gateway with ``--drafter <far> --drafter-pool close=<close>``. Costs are
-static (tests/e2e/conftest.py) and blocks fixed (3 drafts a round, not adaptive: tiny models' rounds are
-so short that a gRPC call costs what a forward does, and an adaptive policy would rightly draft with
-neither kind), so the kinds are compared by the rate of that block at each kind's acceptance.
-The last test kills the close drafter."""
+On the shared e2e stack's verifier, Redis and drafter ("far": a random model of another vocabulary, which
+cannot draft this target's text, acceptance about 0; listed first) plus this file's own drafter process
+("close": the target plus a little noise, same vocabulary, most of its drafts accepted) and its own gateway,
+``--drafter <far> --drafter-pool close=<close>``. Costs are static (tests/e2e/conftest.py) and blocks fixed
+(3 drafts a round, not adaptive: tiny models' rounds are so short that a gRPC call costs what a forward
+does, and an adaptive policy would rightly draft with neither kind), so the kinds are compared by the rate
+of that block at each kind's acceptance. The last test kills the close drafter."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import pytest
 import requests
 
 from crossdraft.client import Client
-from tests.service_fixtures import Services, metric_value
+from tests.service_fixtures import gateway, metric_value, model_server, wait_grpc_healthy, wait_http_ready
 
 N_NEW = 40
 FIXED = {"num_draft_tokens": 3, "adaptive_draft": False}
@@ -26,34 +24,41 @@ PROMPTS = ["def fibonacci(n):\n", "The quick brown fox", "x = [i * i for i in ra
 
 
 @pytest.fixture(scope="module")
-def close_dir(tmp_path_factory):
-    """The target and its early-exit drafter on disk (same tokenizer)."""
-    from tests.tiny_models import early_exit_pair
-    from tests.tokenizers_fixtures import bytelevel_bpe_tokenizer
+def close_dir(tiny_dirs, tmp_path_factory):
+    """The shared stack's target plus noise of a tenth of each weight tensor's spread, on disk."""
+    import shutil
 
-    target, drafter = early_exit_pair(bytelevel_bpe_tokenizer(), seed=1)
-    out = tmp_path_factory.mktemp("pool-models")
-    for lm, name in ((target, "target"), (drafter, "close")):
-        eos = int(lm.tokenizer.eos_token_id)
-        lm.model.config.eos_token_id = eos
-        lm.model.generation_config.eos_token_id = eos
-        lm.model.save_pretrained(out / name)
-        lm.tokenizer.save_pretrained(out / name)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t_dir, _ = tiny_dirs
+    out = tmp_path_factory.mktemp("pool-models") / "close"
+    model = AutoModelForCausalLM.from_pretrained(t_dir, dtype=torch.float32)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.add_(0.1 * prm.std() * torch.randn_like(prm))
+    model.save_pretrained(out)
+    for f in t_dir.iterdir():  # the tokenizer's files
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
+            shutil.copy(f, out / f.name)
     return out
 
 
 @pytest.fixture(scope="module")
-def pool(close_dir, tiny_dirs, tmp_path_factory):
-    _, far_dir = tiny_dirs
-    with Services(tmp_path_factory.mktemp("pool-logs")) as s:
-        _, vaddr = s.verifier(close_dir / "target")
-        far, far_addr = s.drafter(far_dir)
-        close, close_addr = s.drafter(close_dir / "close")
-        s.ready()
-        _, http, grpc_addr = s.gateway(vaddr, far_addr, drafter_timeout_s=5,
-                                       extra=["--drafter-pool", f"close={close_addr}"])
-        s.ready()
-        yield {"http": http, "grpc": grpc_addr, "far": far, "close": close}
+def pool(stack, close_dir):
+    close, close_addr = model_server("drafter", str(close_dir), stack.log_dir, extra=["--quantize", "none"])
+    gw = None
+    try:
+        wait_grpc_healthy(close_addr, close)
+        gw, http, grpc_addr = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, stack.log_dir,
+                                      drafter_timeout_s=5, extra=["--drafter-pool", f"close={close_addr}"])
+        wait_http_ready(http, gw)
+        yield {"http": http, "grpc": grpc_addr, "close": close}
+    finally:
+        for p in (gw, close):
+            if p is not None:
+                p.stop()
 
 
 def complete(http: str, body: dict) -> dict:
@@ -151,6 +156,8 @@ def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):
     assert "".join(pieces) == text
     s = final["speculative"]
     assert s["drafter_choice"] == "failover" or s["drafter_fallback"], s
+    for x in (ref_sid, sid):
+        requests.delete(f"{http}/v1/sessions/{x}", timeout=30)
 
 
 def choices_of(http: str, kind: str) -> float:
