@@ -9,9 +9,8 @@ Chinese byte by byte cannot draft it) -- and after each round compares the kinds
 chooser of draft lengths says each is worth: :meth:`crossdraft.decoding.policy.DraftPolicy.value`,
 the best rate its blocks reach at the session's acceptance of that kind and the kind's own costs
 (1.0 = drafting does not pay: "none"). A kind whose drafting fails or whose drafts do not pay is
-left for one not yet measured (exploration); once each has been measured the best one is kept -- by
-the tokens per second each measured in its rounds, else by value -- and left again only when another
-is worth clearly more (hysteresis). The estimates live with the
+left for one not yet measured (exploration); once each has been measured the best one is kept, and
+left again only when another is worth clearly more (hysteresis). The estimates live with the
 session in Redis (:meth:`PoolChoice.snapshot`), so later turns start from them; a request moves to
 another kind between two rounds (:meth:`crossdraft.decoding.decode.Decoder.hand_over`), which never
 changes the text: the target decides every token."""
@@ -33,9 +32,9 @@ GOOD_ALPHA = 0.6
 DWELL = 3
 MARGIN = 1.1
 DECAY = 0.85  # acceptance counts forget like the policy's (crossdraft.decoding.acceptance.AcceptanceModel)
-# the prior: a tokenizer spelling the prompt in at least this share of the best one's bytes per token knows its
-# script (a code tokenizer's whitespace runs put it ahead on code, not out of reach)
-FLUENT = 0.7
+# the prior: a tokenizer spelling the prompt in at least this share of the best one's bytes per token is as fluent
+# in its script as the best one
+FLUENT = 0.85
 
 
 def check_name(name: str, field: str = "drafter_pool") -> str:
@@ -129,7 +128,7 @@ class PoolChoice:
         self.down: set[str] = set()  # kinds whose drafter failed this request (or had no ready replica)
         self.since = 0  # rounds on the current kind
         self.reason = ""  # why the current kind was chosen: start, explore, exploit, failover, none
-        self.fresh = True  # the next round is the request's first on its kind (it syncs: not timed)
+
 
     # ---- the first choice ----------------------------------------------------------------------
     def measured(self, name: str) -> bool:
@@ -137,19 +136,6 @@ class PoolChoice:
 
     def value(self, name: str) -> float:
         return float(self.est.get(name, {}).get("v", 1.0))
-
-    def goodput(self, name: str) -> float | None:
-        """The kind's measured tokens per second (decayed sums over its timed rounds), None before
-        EXPLORE_ROUNDS of them."""
-        e = self.est.get(name, {})
-        return e["k"] / e["w"] if e.get("r", 0) >= EXPLORE_ROUNDS and e.get("w", 0) > 0 else None
-
-    def score(self, name: str, among: list[str]) -> float:
-        """How the kinds `among` are ranked: by measured tokens per second where each of them has it (the
-        clock has the last word on what the cost model predicts), else by value."""
-        if all(self.goodput(n) is not None for n in among):
-            return self.goodput(name)
-        return self.value(name)
 
     def alpha(self, name: str) -> float:
         e = self.est.get(name)
@@ -167,7 +153,7 @@ class PoolChoice:
         return self.candidates()
 
     def started(self, name: str | None, reason: str = "start") -> None:
-        self.current, self.since, self.reason, self.fresh = name, 0, reason, True
+        self.current, self.since, self.reason = name, 0, reason
         if name is not None and self.metrics is not None:
             self.metrics.pool_choice(name, reason)
 
@@ -179,11 +165,6 @@ class PoolChoice:
             return None
         self.since += 1
         e = self.est.setdefault(cur, {"s": 0.0, "t": 0.0, "n": 0, "v": 1.0})
-        if not self.fresh and getattr(ev, "wall_s", 0.0) > 0:  # (a kind's first round syncs its drafter)
-            e["k"] = DECAY * e.get("k", 0.0) + len(ev.emitted)
-            e["w"] = DECAY * e.get("w", 0.0) + ev.wall_s
-            e["r"] = e.get("r", 0) + 1
-        self.fresh = False
         if ev.drafted > 0:
             e["s"] = DECAY * e["s"] + ev.accepted
             e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
@@ -205,9 +186,8 @@ class PoolChoice:
         poor = self.alpha(cur) < GOOD_ALPHA or self.value(cur) <= 1.0
         if untried and poor:
             return self._move(req, "explore", untried)
-        known = [n for n in live if self.measured(n)]
-        best = max(known, key=lambda n: self.score(n, known), default=cur)
-        if best != cur and self.score(best, known) > MARGIN * self.score(cur, known):
+        best = max((n for n in live if self.measured(n)), key=self.value, default=cur)
+        if best != cur and self.value(best) > MARGIN * self.value(cur):
             return self._move(req, "exploit", [best])
         adaptive = getattr(getattr(req, "draft", None), "adaptive", True)  # (a fixed block drafts whatever)
         if not untried and self.value(cur) <= 1.0 and adaptive and self.reason != "none":
@@ -232,8 +212,7 @@ class PoolChoice:
 
     def snapshot(self) -> dict:
         """The estimates to keep with the session (rounded: a session document stays small)."""
-        return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4),
-                    "k": round(e.get("k", 0.0), 3), "w": round(e.get("w", 0.0), 4), "r": int(e.get("r", 0))}
+        return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4)}
                 for n, e in self.est.items()}
 
 

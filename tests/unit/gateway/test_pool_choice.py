@@ -190,22 +190,3 @@ def test_each_discovery_reads_its_own_pool_variable(monkeypatch):
     k8s = _config(["--discovery", "kubernetes", "--verifier-service", "v"], monkeypatch, env)
     assert k8s.drafter_pool == () and k8s.drafter_pool_services == (("b", "svc-b"),)
 
-
-def test_measured_tokens_per_second_rank_the_kinds_once_each_has_them():
-    """The cost model may value a kind higher than the clock does (its RPCs, its prefill): where both kinds
-    have timed rounds, the request goes where its rounds gave more tokens per second."""
-    pc, moves = chooser(["cheap", "accurate"])
-    req = Req()
-    # per kind: (accepted of 4, policy value, tokens a round, seconds a round): "accurate" is valued
-    # higher, but gives 10 tokens/s against cheap's 20
-    kinds = {"cheap": (1, 1.5, 2, 0.10), "accurate": (4, 2.5, 5, 0.50)}
-    seen = []
-    for _ in range(14):
-        acc, req.val, tokens, wall = kinds[pc.current]
-        seen.append(pc.current)
-        pc(req, SimpleNamespace(drafted=4, accepted=acc, skip_reason="", emitted=[0] * tokens, wall_s=wall))
-    assert moves == ["accurate", "cheap"] and req.stats.drafter_choice == "exploit"  # explored, then back
-    assert seen[-1] == "cheap"
-    assert pc.goodput("cheap") == pytest.approx(20.0) and pc.goodput("accurate") == pytest.approx(10.0)
-    # a kind's first round after a move (its drafter syncs) is not timed
-    assert pc.est["accurate"]["r"] == seen.count("accurate") - 1
