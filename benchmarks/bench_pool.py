@@ -13,8 +13,9 @@ summed latency), the pool's ratio to the best single choice of the same run (eit
 and to the best single drafter, which kind the pool's requests ended on, and whether every greedy text
 matched target-only's.
 
+Each target in ``--targets`` gets a stack of its own, one after the other, with the same pool.
 Writes benchmarks/results/<tag>-<machine class>.json and .png (stamped with commit and CPU).
-Usage: python benchmarks/bench_pool.py [--target qwen2.5-coder-1.5b]
+Usage: python benchmarks/bench_pool.py [--targets qwen2.5-coder-1.5b,gemma3-270m]
        [--drafters smollm2-135m,qwen2.5-coder-0.5b] [--dtype bfloat16] [--repeats 3] [--max-new-tokens 48]
 """
 
@@ -52,10 +53,10 @@ def prompts(per_class: int) -> list[tuple[str, str]]:
     return [(c, p) for c in CLASSES for p in by[c]]
 
 
-def start(s: Services, a) -> dict:
+def start(s: Services, a, target: str) -> dict:
     """The model servers and gateways; mode -> (REST URL, use_drafter)."""
     extra = ["--dtype", a.dtype, "--kv-cache-tokens", str(a.kv_cache_tokens)]
-    _, vaddr = s.verifier(a.target, extra=extra)
+    _, vaddr = s.verifier(target, extra=extra)
     names, addrs = [], []
     for model in a.drafters.split(","):
         _, addr = s.drafter(model, extra=extra)
@@ -130,30 +131,61 @@ def plot(res: dict, path: Path, kinds: list[str]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    classes = list(res["summary"])
+    targets = list(res["by_target"])
     modes = ["target-only", *kinds, "pool"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        ax.bar([x + (i - (len(modes) - 1) / 2) * width for x in range(len(classes))],
-               [res["summary"][c]["tok_s"][mode] for c in classes], width, label=mode)
-    ax.set_xticks(range(len(classes)))
-    ax.set_xticklabels([f"{c}\npool {res['summary'][c]['pool_vs_best_single']:.2f}x best" for c in classes],
-                       fontsize=8)
-    ax.set_ylabel("completion tokens/s (1 client, greedy)")
+    fig, axes = plt.subplots(1, len(targets), figsize=(7 * len(targets), 4.5), squeeze=False)
     m = res["meta"]
-    ax.set_title(f"pool of {', '.join(kinds)} -> {m['target']} ({m['dtype']})\n{m['cpu']} @ {m['commit'][:7]}",
-                 fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, target in zip(axes[0], targets, strict=True):
+        summary = res["by_target"][target]["summary"]
+        classes = list(summary)
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            ax.bar([x + (i - (len(modes) - 1) / 2) * width for x in range(len(classes))],
+                   [summary[c]["tok_s"][mode] for c in classes], width, label=mode)
+        ax.set_xticks(range(len(classes)))
+        ax.set_xticklabels([f"{c}\npool {summary[c]['pool_vs_best_single']:.2f}x best" for c in classes],
+                           fontsize=8)
+        ax.set_ylabel("completion tokens/s (1 client, greedy)")
+        ax.set_title(f"pool of {', '.join(kinds)} -> {target} ({m['dtype']})\n{m['cpu']} @ {m['commit'][:7]}",
+                     fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
 
 
+def run_target(a, target: str, ps: list[tuple[str, str]], kinds: list[str]) -> dict:
+    """One target's stack and its rows, summary and greedy identity."""
+    tmp = Path(tempfile.mkdtemp(prefix="crossdraft-pool-"))
+    (tmp / "logs").mkdir()
+    rows = []
+    with Services(tmp / "logs") as s:
+        urls = start(s, a, target)
+        modes = list(urls)
+        for url, use in urls.values():  # warm each gateway's paths (first tokenizations, masks sent)
+            one(url, ps[0][1], argparse.Namespace(max_new_tokens=4), use)
+        for rep in range(a.repeats):
+            order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+            for mode in order:
+                url, use = urls[mode]
+                for cls, prompt in ps:
+                    r = one(url, prompt, a, use)
+                    rows.append({"mode": mode, "class": cls, "prompt": prompt, "repeat": rep, **r})
+                print(f"{target} repeat {rep} {mode:22s} " + "  ".join(
+                    f"{x['class']}:{x['tokens'] / x['latency_s']:.2f}" + (f"[{x['drafter']}]" if mode == "pool" else "")
+                    for x in rows[-len(ps):]), flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    res = {"summary": summarize(rows, kinds), "greedy_identity": identity(rows), "rows": rows}
+    for cls, v in res["summary"].items():
+        print(target, cls, json.dumps(v), flush=True)
+    print(target, "greedy identity:", json.dumps(res["greedy_identity"]), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--targets", default="qwen2.5-coder-1.5b,gemma3-270m")
     ap.add_argument("--drafters", default="smollm2-135m,qwen2.5-coder-0.5b", help="the pool's kinds, in order")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--per-class", type=int, default=2, help="prompts per class")
@@ -165,40 +197,19 @@ def main() -> None:
     a = ap.parse_args()
     ps = prompts(a.per_class)
     kinds = [kind_name(m) for m in a.drafters.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="crossdraft-pool-"))
-    (tmp / "logs").mkdir()
-    rows = []
-    with Services(tmp / "logs") as s:
-        urls = start(s, a)
-        modes = list(urls)
-        for url, use in urls.values():  # warm each gateway's paths (first tokenizations, masks sent)
-            one(url, ps[0][1], argparse.Namespace(max_new_tokens=4), use)
-        for rep in range(a.repeats):
-            order = modes[rep % len(modes):] + modes[: rep % len(modes)]
-            for mode in order:
-                url, use = urls[mode]
-                for cls, prompt in ps:
-                    r = one(url, prompt, a, use)
-                    rows.append({"mode": mode, "class": cls, "prompt": prompt, "repeat": rep, **r})
-                print(f"repeat {rep} {mode:22s} " + "  ".join(
-                    f"{x['class']}:{x['tokens'] / x['latency_s']:.2f}" + (f"[{x['drafter']}]" if mode == "pool" else "")
-                    for x in rows[-len(ps):]), flush=True)
-    res = {"meta": {"target": a.target, "drafters": kinds, "dtype": a.dtype, "cpu": _cpu_name(),
+    targets = [t for t in a.targets.split(",") if t]
+    res = {"meta": {"targets": targets, "drafters": kinds, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                     "max_new_tokens": a.max_new_tokens, "prompts": len(ps), "repeats": a.repeats, **git_commit(),
                     "time": time.strftime("%Y-%m-%d %H:%M")},
-           "summary": summarize(rows, kinds), "greedy_identity": identity(rows), "rows": rows}
-    for cls, v in res["summary"].items():
-        print(cls, json.dumps(v), flush=True)
-    print("greedy identity:", json.dumps(res["greedy_identity"]), flush=True)
+           "by_target": {t: run_target(a, t, ps, kinds) for t in targets}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = result_name(a.tag or f"pool-{a.target}")
+    tag = result_name(a.tag or "pool")
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / (tag + '.json')}", flush=True)
     if plot(res, out / f"{tag}.png", kinds):
         print(f"wrote {out / (tag + '.png')}", flush=True)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
