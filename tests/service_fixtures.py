@@ -230,3 +230,27 @@ def metric_settled(http, name, settle_s=0.5, timeout_s=60.0) -> float:
             return now
         last = now
     raise AssertionError(f"{name} kept moving for {timeout_s} s")
+
+
+def stream_and_kill(http: str, body: dict, proc: Proc, at_chars: int) -> tuple[str, dict | None, bool]:
+    """POST a streamed completion and SIGKILL `proc` once `at_chars` characters of text have arrived in a
+    chunk that does not end the stream (more rounds follow). Returns (the text streamed, the final chunk,
+    whether the kill happened); an error chunk fails the calling test."""
+    import json
+
+    r = requests.post(http + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=120)
+    assert r.status_code == 200, r.text
+    pieces, final, killed = [], None, False
+    for line in r.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        assert "error" not in obj, obj
+        ch = obj["choices"][0]
+        pieces.append(ch["text"])
+        if ch["finish_reason"]:
+            final = obj
+        elif not killed and len("".join(pieces)) >= at_chars:
+            proc.kill()
+            killed = True
+    return "".join(pieces), final, killed

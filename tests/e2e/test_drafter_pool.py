@@ -10,13 +10,18 @@ of that block at each kind's acceptance. The last test kills the close drafter."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import requests
 
 from crossdraft.client import Client
-from tests.service_fixtures import gateway, metric_value, model_server, wait_grpc_healthy, wait_http_ready
+from tests.service_fixtures import (
+    gateway,
+    metric_value,
+    model_server,
+    stream_and_kill,
+    wait_grpc_healthy,
+    wait_http_ready,
+)
 
 N_NEW = 40
 FIXED = {"num_draft_tokens": 3, "adaptive_draft": False}
@@ -136,24 +141,10 @@ def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):
     text = complete(http, {"prompt": second, "session_id": ref_sid, "max_tokens": 96})["choices"][0]["text"]
     sid = session(**FIXED)
     complete(http, {"prompt": first, "session_id": sid})  # settles the session on a kind
-    r = requests.post(http + "/v1/completions", json={"prompt": second, "session_id": sid, "max_tokens": 96,
-                                                      "stream": True}, stream=True, timeout=120)
-    assert r.status_code == 200
-    pieces, final, killed = [], None, False
-    for line in r.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        assert "error" not in obj, obj
-        ch = obj["choices"][0]
-        pieces.append(ch["text"])
-        if ch["finish_reason"]:
-            final = obj
-        elif not killed and len("".join(pieces)) >= len(text) // 3:
-            pool["close"].kill()
-            killed = True
+    streamed, final, killed = stream_and_kill(http, {"prompt": second, "session_id": sid, "max_tokens": 96},
+                                              pool["close"], len(text) // 3)
     assert killed and final is not None
-    assert "".join(pieces) == text
+    assert streamed == text
     s = final["speculative"]
     assert s["drafter_choice"] == "failover" or s["drafter_fallback"], s
     for x in (ref_sid, sid):

@@ -33,6 +33,7 @@ from tests.service_fixtures import (
     metric_settled,
     metric_value,
     model_server,
+    stream_and_kill,
     wait_grpc_healthy,
     wait_http_ready,
 )
@@ -301,24 +302,10 @@ def test_drafter_killed_mid_pipeline_completes_target_only_with_identical_output
     prompt = PROMPTS[1]
     ref = reference[prompt]
     text = ref["choices"][0]["text"]
-    r = requests.post(http + "/v1/completions", json={"prompt": prompt, "max_tokens": N_NEW, "stream": True, **FIXED},
-                      stream=True, timeout=120)
-    assert r.status_code == 200
-    pieces, final, killed = [], None, False
-    for line in r.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        assert "error" not in obj, obj
-        ch = obj["choices"][0]
-        pieces.append(ch["text"])
-        if ch["finish_reason"]:
-            final = obj
-        elif not killed and len("".join(pieces)) >= len(text) // 2:  # mid-stream: more rounds follow
-            d.kill()
-            killed = True
+    streamed, final, killed = stream_and_kill(http, {"prompt": prompt, "max_tokens": N_NEW, **FIXED}, d,
+                                              len(text) // 2)  # mid-stream: more rounds follow
     assert killed and final is not None
-    assert "".join(pieces) == text
+    assert streamed == text
     s = final["speculative"]
     assert s["drafter_fallback"] is True and "drafter" in s["fallback_reason"]
     assert s["pipelined_blocks"] + s["dropped_blocks"] > 0
