@@ -168,13 +168,14 @@ class Job:
         """A pool's request moves to drafter kind `name` (PoolChoice asks between two rounds): the Decoder
         of the run's verifier with a ready replica of that kind, or None when it has none."""
         gw = self.gw
-        old_key, old_addr = self.d_key, self.d_addr
+        old = self.d_key, self.d_addr, self.d_kind
+        old_key, old_addr = old[0], old[1]
         if not self._take(gw.kinds[name], self._recorded(None, gw.kinds[name].key)):
             return None
         try:
             dec = gw.decoder(self.v_addr, self.d_addr, self.d_key)
         except (Unavailable, ResourceExhausted):
-            self.d_key, self.d_addr = old_key, old_addr
+            self.d_key, self.d_addr, self.d_kind = old  # (the request stays on its kind)
             return None
         if self._placed:
             gw.placement.release(old_key, old_addr)
