@@ -13,6 +13,7 @@ import time
 from opentelemetry import trace
 
 from crossdraft.decoding.decode import Decoder
+from crossdraft.decoding.gate import LoadGate
 from crossdraft.decoding.output import check_stop
 from crossdraft.decoding.pipeline import pipeline_on
 from crossdraft.errors import NotFound, Unavailable, check_int, check_session_id
@@ -49,6 +50,9 @@ class Gateway:
         self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s)
         self.metrics.queued.set_function(lambda: self.admission.waiting)
         self._decoders: dict[tuple, Decoder] = {}
+        # one load gate per verifier replica (crossdraft.decoding.gate), shared by its Decoders (one per
+        # drafter replica and kind): whether drafting pays is a question of the verifier's whole load
+        self._gates: dict[str, LoadGate] = {}
         self._lock = threading.Lock()  # the decoders (decoder() holds it over a replica's first info call)
         # the latest readiness check, (checked, ok, details, stale_since), stale_since = since which
         # check every verifier has served another revision (None: not so). readiness() builds a new
@@ -128,7 +132,8 @@ class Gateway:
                                                     drafter_timeout_s=self.cfg.drafter_timeout_s,
                                                     round_log=self.cfg.round_log, colocated=co,
                                                     pipeline=pipeline_on(self.cfg.pipeline, co),
-                                                    name=k.name if k is not None else "")
+                                                    name=k.name if k is not None else "",
+                                                    gate=self._gates.setdefault(v_addr, LoadGate()))
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------
@@ -180,6 +185,8 @@ class Gateway:
                 for key in [k for k in self._decoders
                             if ("verifier", k[0]) in gone or (k[1] is not None and (k[2], k[1]) in gone)]:
                     del self._decoders[key]
+                for addr in [a for a in self._gates if ("verifier", a) in gone]:
+                    del self._gates[addr]
         return sorted(gone)
 
     def stale_pairing(self) -> str | None:

@@ -24,13 +24,14 @@ import numpy as np
 
 from crossdraft.decoding.costmodel import cost_ratio
 from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids, encode_drafter_bytes
+from crossdraft.decoding.gate import LoadGate
 from crossdraft.decoding.messages import Expect
 from crossdraft.decoding.output import Output, check_stop
 from crossdraft.decoding.pipeline import Pipelining
 from crossdraft.decoding.policy import DraftConfig, DraftPolicy
 from crossdraft.decoding.ports import DrafterPort, VerifierPort
 from crossdraft.decoding.request import Drafted, Request, Run
-from crossdraft.decoding.roundlog import RoundLog
+from crossdraft.decoding.roundlog import RoundLog, round_record
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.decoding.stats import RoundEvent, Stats, draws_of
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
@@ -42,7 +43,8 @@ class Decoder(Pipelining):
 
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
                  max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
-                 round_log: str | None = None, colocated: bool = True, pipeline: bool = False, name: str = ""):
+                 round_log: str | None = None, colocated: bool = True, pipeline: bool = False, name: str = "",
+                 gate: LoadGate | None = None):
         self.pair = pair
         # the drafter kind this Decoder drafts with, in a gateway's pool of kinds ("" = the only one)
         self.name = name
@@ -80,6 +82,9 @@ class Decoder(Pipelining):
         self._price = self._dprice = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
+        # whether drafting pays at the load now, measured (crossdraft.decoding.gate); a gateway shares one
+        # among the Decoders over the same verifier
+        self.gate = gate if gate is not None else LoadGate()
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -232,6 +237,7 @@ class Decoder(Pipelining):
             # the load: what the latest rounds saw, at least the requests in this loop now
             pol.expect_load(max(self._load, float(self._running)))
             self._peers(req)
+            self._hold(req)
             # a burst (other requests entered the loop moments ago and have not had a round yet): the
             # load this one would price is still climbing, and first blocks decided now would run their
             # drafter prefills on the cores verifying the burst's prompts. Start target-only: the first
@@ -276,9 +282,12 @@ class Decoder(Pipelining):
         run.decoder = self
         with self._lock:
             self._reqs[id(req)] = req
+        req.gate = self.gate
+        req.gate.enter()
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
+            req.gate.leave()
             dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
             with dec._lock:
                 dec._reqs.pop(id(req), None)
@@ -302,6 +311,7 @@ class Decoder(Pipelining):
                 ev = done_round
             if ev is None:  # the round scope swallowed an error: the request ends here
                 return
+            req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0)
             round_index += 1
             run.next_round = round_index
             if not ev.done and req.chooser is not None and req.ready is None and req.ahead is None:
@@ -355,6 +365,8 @@ class Decoder(Pipelining):
         if pol.costs.measured and req.draft.adaptive:
             pol.expect_load(max(other._load, float(other._running)))
             other._peers(req)
+            if other._hold(req):  # the load gate holds drafting: the next round drafts nothing
+                req.k, pol.reason = 0, "load"
 
     # ---- the other requests in the loop -----------------------------------------------------------
     @property
@@ -379,6 +391,16 @@ class Decoder(Pipelining):
             others = [r for r in self._reqs.values() if r is not req and r.spec and r.policy is not None]
         peer_alpha = sum(r.policy.acceptance.alpha() for r in others) / len(others) if others else None
         pol.see_peers(float(sum(1 for r in others if r.k > 0)), peer_alpha, self.colocated)
+
+    @staticmethod
+    def _hold(req: Request) -> bool:
+        """Tell the request's policy whether the load gate holds drafting now (adaptive blocks with
+        measured costs that may skip; the others draft as they would); returns the policy's view."""
+        pol = req.policy
+        if pol is None or not pol.costs.measured or not req.draft.adaptive or not req.draft.allow_skip:
+            return False
+        pol.held = req.gate is not None and req.gate.holds()
+        return pol.held
 
     # ---- one round --------------------------------------------------------------------------------
     def _round(self, req: Request, round_index: int) -> RoundEvent:
@@ -557,6 +579,7 @@ class Decoder(Pipelining):
         elif d.commit_tli(self.pair, proposals[:n], next_token, bytes(req.out.gen_bytes), req.draft.resync_window):
             req.stats.resyncs += 1
         self._peers(req)
+        self._hold(req)
         req.k = req.policy.next_k(req.remaining(), d.unfed())
         if req.policy.costs.measured and drafted.target_ids:
             self._probes[req.mode] = req.policy.probe_record()
@@ -564,25 +587,5 @@ class Decoder(Pipelining):
     def _log_round(self, req: Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
                    verify_s: float, skip_reason: str = "", predicted=None, step_s: float = 0.0,
                    overhead_s: float = 0.0, draft_queue_s: float = 0.0, parts: dict | None = None) -> None:
-        rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
-               "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,
-               "draft_s": round(draft_s, 4), "verify_s": round(verify_s, 4),
-               "queue_wait_s": round(getattr(res, "queue_wait_s", 0.0), 4),
-               "draft_queue_s": round(draft_queue_s, 5), "overhead_ms": round(overhead_s * 1e3, 3),
-               # where the overhead went (ms): before the round (the previous event's handling), the Draft
-               # call outside the drafter's steps, the block's mapping to target ids, the Verify call outside
-               # the verifier's time, and the rest of the loop
-               "overhead_parts_ms": {k: round(v * 1e3, 3) for k, v in (parts or {}).items()},
-               "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
-               "running": self._running}
-        if skip_reason:
-            rec["skip_reason"] = skip_reason
-        if predicted:
-            rec["predicted_tokens"], rec["predicted_s"] = round(predicted[0], 3), round(predicted[1] * step_s, 4)
-        for key, price in (("price", getattr(res, "price", None)),
-                           ("drafter_price", req.policy.costs.dprice if req.spec else None)):
-            if price is not None:
-                rec[key] = [round(price.base_ms, 2), round(price.row_ms, 2), round(price.token_ms, 2), price.forwards]
-        if req.spec:
-            rec.update(req.policy.log_fields())
-        self.log.write(rec)
+        self.log.write(round_record(req, round_index, kk, kd, n, res, draft_s, verify_s, skip_reason, predicted,
+                                    step_s, overhead_s, draft_queue_s, parts, self._running))

@@ -141,6 +141,9 @@ class DraftPolicy:
         # verify_round span and the gateway's counters carry it
         self.reason = ""
         self.whole = False  # (and it was accepted in full)
+        # the load gate holds drafting (crossdraft.decoding.gate: at this load, the requests sharing the
+        # verifier measured more goodput target-only): rounds skip without probes until it lets go
+        self.held = False
 
     # ---- what the round loop tells the policy ------------------------------------------------------
     def observe(self, k: int, n: int) -> None:
@@ -281,8 +284,9 @@ class DraftPolicy:
         return self.costs.stop_threshold(self.hi)
 
     def loaded_out(self) -> bool:
-        """Measured costs, more than one session sharing the forwards, and no acceptance could pay."""
-        return self.costs.measured and self.costs.batch > 1.5 and not self.could_pay()
+        """Measured costs, more than one session sharing the forwards, and no acceptance could pay; or the
+        load gate holds drafting."""
+        return self.held or (self.costs.measured and self.costs.batch > 1.5 and not self.could_pay())
 
     # ---- probes -------------------------------------------------------------------------------------
     def probe_len(self) -> float:
@@ -363,6 +367,8 @@ class DraftPolicy:
         c = self.costs
         a = self.acceptance.alpha()
         saved = c.batch, c.others, c.peer_alpha, c.scale_d
+        if self.held and self._pays_at(a):
+            return "load"  # the model would draft at this load; the load gate measured that it does not pay
         try:
             c.batch, c.others, c.peer_alpha = 1.0, None, None
             if self._pays_at(a):
@@ -398,7 +404,7 @@ class DraftPolicy:
             self.interval = self.wait = self.max_probe_every
             self.reason = self.why_not()
             return False
-        if self.costs.batch > 1.5 and not self.pays():
+        if self.held or (self.costs.batch > 1.5 and not self.pays()):
             self.reason = self.why_not()
             return False  # drafting does not pay at this load (the policy probes later)
         if not self.worth_probing(remaining, feed):
@@ -432,7 +438,7 @@ class DraftPolicy:
             d = self.hit_decay
             self.hit_s = d * self.hit_s + (1.0 if self.whole or best_rate >= need else 0.0)
             self.hit_n = d * self.hit_n + 1.0
-        if cfg.allow_skip and best_rate < need:
+        if cfg.allow_skip and (best_rate < need or self.held):
             k = self._skip_or_probe(remaining, feed)
             self.reason = "" if k else self.why_not()
             return k

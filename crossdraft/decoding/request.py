@@ -71,6 +71,9 @@ class Request:
     t_end: float = 0.0
     # a pool of drafter kinds: asked after each round whether another kind's Decoder takes over (Decoder.run)
     chooser: object = None
+    # the load gate (crossdraft.decoding.gate.LoadGate) of the Decoder the request started on: it counts
+    # the request and its rounds, and says whether rounds with measured costs may draft now
+    gate: object = None
 
     def remaining(self) -> int:
         """Tokens the request may still generate."""

@@ -15,6 +15,7 @@ import atexit
 import json
 import queue
 import threading
+import time
 
 
 class RoundLog:
@@ -62,3 +63,34 @@ class RoundLog:
                 self.path = None  # the log is dropped, never the request
             finally:
                 q.task_done()
+
+
+def round_record(req, round_index: int, kk: int, kd: int, n: int, res, draft_s: float, verify_s: float,
+                 skip_reason: str, predicted, step_s: float, overhead_s: float, draft_queue_s: float,
+                 parts: dict | None, running: int) -> dict:
+    """One round's line (crossdraft.decoding.decode.Decoder._round): what the round did and took, and the
+    policy's view after it."""
+    rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
+           "drafted": kd, "accepted": n, "next_k": req.k if req.spec else 0,
+           "draft_s": round(draft_s, 4), "verify_s": round(verify_s, 4),
+           "queue_wait_s": round(getattr(res, "queue_wait_s", 0.0), 4),
+           "draft_queue_s": round(draft_queue_s, 5), "overhead_ms": round(overhead_s * 1e3, 3),
+           # where the overhead went (ms): before the round (the previous event's handling), the Draft
+           # call outside the drafter's steps, the block's mapping to target ids, the Verify call outside
+           # the verifier's time, and the rest of the loop
+           "overhead_parts_ms": {k: round(v * 1e3, 3) for k, v in (parts or {}).items()},
+           "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
+           "running": running}
+    if skip_reason:
+        rec["skip_reason"] = skip_reason
+    if predicted:
+        rec["predicted_tokens"], rec["predicted_s"] = round(predicted[0], 3), round(predicted[1] * step_s, 4)
+    for key, price in (("price", getattr(res, "price", None)),
+                       ("drafter_price", req.policy.costs.dprice if req.spec else None)):
+        if price is not None:
+            rec[key] = [round(price.base_ms, 2), round(price.row_ms, 2), round(price.token_ms, 2), price.forwards]
+    if req.spec:
+        rec.update(req.policy.log_fields())
+    if req.gate is not None:  # the load gate's regime now (crossdraft.decoding.gate)
+        rec["gate"] = "held" if req.gate.holds() else "free"
+    return rec

@@ -447,3 +447,29 @@ def test_a_request_that_starts_in_a_burst_waits_one_round_for_the_load_to_settle
     again = dec.run("alone", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0, draft=DraftConfig())
     assert next(iter(again)).requested > 0 and eng.counting.syncs
     again.close()
+
+
+def test_while_the_load_gate_holds_measured_rounds_draft_nothing_and_fixed_blocks_draft(eng, monkeypatch):
+    """The load gate (crossdraft.decoding.gate) decides from measured goodput; the round loop obeys it:
+    a request whose costs are measured drafts nothing while it holds (reason "load" where its policy
+    would draft; the drafter not even given the prompt), with the same tokens; a fixed block still
+    drafts (it does not ask what pays). Let go, the same request drafts."""
+    eng.drafter_worker._timings = [0.05 * x for x in eng.verifier.timings()]  # a drafter that pays
+    eng.decoder._ratio.clear()
+    ref = eng.generate(PROMPT, max_new_tokens=10, use_drafter=False)
+    t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
+
+    def rounds(sid: str, draft: DraftConfig):
+        run = eng.decoder.run(sid, t_ids, d_ids, max_new_tokens=10, params=SamplingParams(), seed=0, draft=draft)
+        return list(run)
+
+    monkeypatch.setattr(eng.decoder.gate, "holds", lambda: True)
+    evs = rounds("held", DraftConfig())
+    assert [t for ev in evs for t in ev.emitted] == ref.token_ids
+    assert all(ev.drafted == 0 for ev in evs) and eng.counting.drafts == 0 and eng.counting.syncs == []
+    assert {ev.skip_reason for ev in evs[:-1]} == {"load"}
+    assert sum(ev.drafted for ev in rounds("fixed", DraftConfig(adaptive=False, num_draft_tokens=3))) > 0
+    monkeypatch.setattr(eng.decoder.gate, "holds", lambda: False)
+    eng.decoder._scales.clear()  # (the fixed blocks timed the drafter slower than its table says)
+    evs = rounds("free", DraftConfig())
+    assert evs[0].drafted > 0 and [t for ev in evs for t in ev.emitted] == ref.token_ids
