@@ -53,6 +53,7 @@ class Gateway:
         # one load gate per verifier replica (crossdraft.decoding.gate), shared by its Decoders (one per
         # drafter replica and kind): whether drafting pays is a question of the verifier's whole load
         self._gates: dict[str, LoadGate] = {}
+        self.metrics.watch_gates(lambda: dict(self._gates))
         self._lock = threading.Lock()  # the decoders (decoder() holds it over a replica's first info call)
         # the latest readiness check, (checked, ok, details, stale_since), stale_since = since which
         # check every verifier has served another revision (None: not so). readiness() builds a new
@@ -133,7 +134,8 @@ class Gateway:
                                                     round_log=self.cfg.round_log, colocated=co,
                                                     pipeline=pipeline_on(self.cfg.pipeline, co),
                                                     name=k.name if k is not None else "",
-                                                    gate=self._gates.setdefault(v_addr, LoadGate()))
+                                                    gate=self._gates.setdefault(
+                                                        v_addr, LoadGate(enabled=self.cfg.load_gate != "off")))
             return dec
 
     # ---- readiness ---------------------------------------------------------------------------

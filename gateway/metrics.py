@@ -6,6 +6,7 @@ import threading
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class Metrics:
@@ -70,6 +71,11 @@ class Metrics:
 
     GOODPUT_WINDOW = 256
 
+    def watch_gates(self, gates) -> None:
+        """Export the load gates (crossdraft.decoding.gate) at each scrape: ``gates()`` -> {verifier address:
+        LoadGate}."""
+        self.registry.register(_GateCollector(gates))
+
     def pool_choice(self, drafter: str, outcome: str) -> None:
         self.pool_choices.labels(drafter, outcome).inc()
 
@@ -107,6 +113,41 @@ class Metrics:
                     pt, ps, mt, ms = self._sums
                 self.goodput.labels("predicted").set(pt / ps if ps > 0 else 0.0)
                 self.goodput.labels("measured").set(mt / ms if ms > 0 else 0.0)
+
+
+class _GateCollector:
+    """The load gates' state per verifier and load level (2 ** level requests): the regime kept, the goodput
+    each regime measured, the switches."""
+
+    def __init__(self, gates):
+        self.gates = gates
+
+    def describe(self):
+        return []  # (collected at each scrape only)
+
+    def collect(self):
+        held = GaugeMetricFamily("crossdraft_load_gate_held",
+                                 "Whether the load gate holds drafting at this load (1: speculative requests with "
+                                 "measured costs run target-only rounds; 0: each request's policy chooses)",
+                                 labels=["verifier", "load"])
+        good = GaugeMetricFamily("crossdraft_load_gate_goodput",
+                                 "Tokens per request-second the load gate measured at this load, by regime "
+                                 "(free: the policies draft; held: target-only rounds)",
+                                 labels=["verifier", "load", "regime"])
+        switches = CounterMetricFamily("crossdraft_load_gate_switches",
+                                       "Times the load gate changed the regime it keeps at this load",
+                                       labels=["verifier", "load"])
+        for addr, gate in sorted(self.gates().items()):
+            for level, st in gate.snapshot().items():
+                load = str(2 ** level)
+                held.add_metric([addr, load], 1.0 if st["held"] else 0.0)
+                for regime, key in (("free", "free"), ("held", "held_goodput")):
+                    if st[key] is not None:
+                        good.add_metric([addr, load, regime], st[key])
+                switches.add_metric([addr, load], st["switches"])
+        yield held
+        yield good
+        yield switches
 
 
 def stats_dict(stats) -> dict:

@@ -91,6 +91,10 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="pipelined rounds: draft each block's successor while the block is verified (drafting off "
                         "the critical path); auto = on where the drafter does not share the verifier's hardware "
                         "(not --colocated) (env CROSSDRAFT_PIPELINE)")
+    p.add_argument("--load-gate", choices=("on", "off"), default=_env("LOAD_GATE", "on"),
+                   help="under load, hold drafting where target-only rounds measure more goodput at that load "
+                        "(per verifier and load level, re-tried now and then; docs/design.md); off = the draft-length "
+                        "policy's model alone decides (env CROSSDRAFT_LOAD_GATE)")
     p.add_argument("--draft-vocab", type=int_arg("--draft-vocab", 0, env="CROSSDRAFT_DRAFT_VOCAB"),
                    default=str(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
                    help="the drafter drafts from its this many most frequent tokens only (by its tokenizer's merge "
@@ -188,6 +192,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("default_max_new_tokens", f"must be in [1, {a.max_new_tokens_limit}]")
     if a.colocated not in ("auto", "yes", "no"):  # argparse checks choices on the command line, not on env defaults
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
+    if a.load_gate not in ("on", "off"):
+        raise InvalidArgument("load_gate", f"must be one of on, off; got {a.load_gate!r}")
     if a.pipeline not in PIPELINE_CHOICES:
         raise InvalidArgument("pipeline", f"must be one of {', '.join(PIPELINE_CHOICES)}; got {a.pipeline!r}")
     pool, pool_services, d_tok, pool_toks = pool_args(a, _env)
@@ -233,7 +239,8 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_pool_services=pool_services,
                          drafter_tokenizers=pool_toks, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
-                         round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, draft_vocab=a.draft_vocab,
+                         round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, load_gate=a.load_gate,
+                         draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,
                          max_concurrent_requests=a.max_concurrent_requests, max_queued_requests=a.max_queued_requests,

@@ -301,7 +301,7 @@ class Decoder(Pipelining):
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
-        dec = self
+        dec, first = self, True
         while True:
             ev = None
             with (round_scope(round_index) if round_scope is not None else nullcontext(None)) as record:
@@ -311,7 +311,10 @@ class Decoder(Pipelining):
                 ev = done_round
             if ev is None:  # the round scope swallowed an error: the request ends here
                 return
-            req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0)
+            # (the first round: its time since the request entered the loop, the prompt's prefill included)
+            req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0,
+                            time.perf_counter() - t_start if first else 0.0)
+            first = False
             round_index += 1
             run.next_round = round_index
             if not ev.done and req.chooser is not None and req.ready is None and req.ahead is None:

@@ -66,8 +66,11 @@ class LoadGate:
     :meth:`record` after each round, and reads :attr:`held` before choosing a block."""
 
     margin = 1.03  # a try takes over only when it measures this much better than the kept regime
-    rounds_per_request = 4  # a window lasts this many rounds per request sharing it (and min_window_s)
-    min_window_s = 2.0
+    rounds_per_request = 6  # a window lasts this many rounds per request sharing it (and min_window_s)
+    min_window_s = 3.0
+    # after a switch, rounds per request not measured: those in flight, and (free after held) the first
+    # block's drafter catch-up and the policies' first look at the load again
+    settle_rounds = 2
     # a free window measures drafting only where this share of its speculative rounds drafted (where the
     # policies already draft next to nothing, free and held are the same regime)
     min_drafting = 0.3
@@ -100,12 +103,17 @@ class LoadGate:
             self._advance(self.clock())
             self.running = max(0, self.running - 1)
 
-    def record(self, tokens: int, speculative: bool, drafted: bool) -> None:
+    def record(self, tokens: int, speculative: bool, drafted: bool, first_s: float = 0.0) -> None:
         """A round ended: it emitted ``tokens``; it belongs to a speculative request; it verified a
-        drafted block."""
+        drafted block. ``first_s`` > 0: it was its request's first round, which took that long (the
+        prompt's prefill, the same in both regimes and long): not measured, its time taken out of the
+        window's request-seconds."""
         with self._lock:
             now = self.clock()
             self._advance(now)
+            if first_s > 0:
+                self._area = max(0.0, self._area - min(first_s, now - self._t0))
+                return
             if self._settle > 0:  # rounds that started under the previous regime: not measured
                 self._settle -= 1
                 if self._settle == 0:
@@ -151,7 +159,7 @@ class LoadGate:
             self.level, self.held = level, st.held_now()
         self._open(now)
         if self.held != regime:  # the requests' rounds in flight started under the other regime
-            self._settle = max(1, math.ceil(mean))
+            self._settle = self.settle_rounds * max(1, math.ceil(mean))
 
     def _at(self, level: int) -> Level:
         st = self.levels.get(level)

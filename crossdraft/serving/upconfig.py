@@ -65,6 +65,7 @@ class UpConfig:
     drafter_cpus: tuple[int, ...] = ()  # the drafter's --cpus: pinned to these CPUs (() = unpinned)
     verifier_cpus: tuple[int, ...] = ()  # the verifier's --cpus (() = unpinned); gateway and Redis stay unpinned
     pipeline: str | None = None  # the gateway's --pipeline auto|on|off (None = the gateway's default)
+    load_gate: str | None = None  # the gateway's --load-gate on|off (None = the gateway's default)
     drafter_metrics_port: int = 0  # the drafter's Prometheus --metrics-port (0 = off)
     verifier_metrics_port: int = 0  # the verifier's Prometheus --metrics-port (0 = off)
     target_dtype: str | None = None  # verifier --dtype (None = its default)
@@ -297,6 +298,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
     ]  # fmt: skip
     if cfg.pipeline:
         gateway += ["--pipeline", cfg.pipeline]
+    if cfg.load_gate:
+        gateway += ["--load-gate", cfg.load_gate]
     cmds["gateway"] = gateway
     return cmds
 
@@ -406,6 +409,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
                         help="the gateway's --pipeline: draft the next block while the verifier checks this one "
                              "(default: the gateway's own)")
+    parser.add_argument("--load-gate", choices=("on", "off"), default=None,
+                        help="the gateway's --load-gate: hold drafting at a load where target-only rounds measure "
+                             "more goodput (default: the gateway's own, on)")
     parser.add_argument("--target-dtype", default=None, help="verifier dtype (default: the service's own)")
     parser.add_argument("--drafter-dtype", action="append", type=_per_drafter("--drafter-dtype"), default=None,
                         metavar="[NAME=]DTYPE", help="drafter dtype (default: the service's own)" + each)
@@ -536,6 +542,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         drafter_cpus=first.cpus,
         verifier_cpus=tuple(getattr(args, "verifier_cpus", None) or ()),
         pipeline=getattr(args, "pipeline", None) or None,
+        load_gate=getattr(args, "load_gate", None) or None,
         drafter_metrics_port=first.metrics_port,
         verifier_metrics_port=getattr(args, "verifier_metrics_port", 0) or 0,
         target_dtype=args.target_dtype,

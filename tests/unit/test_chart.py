@@ -633,13 +633,15 @@ def test_gateway_drain_matches_the_pod_grace_period(helm, render):
     assert pod_spec(g)["terminationGracePeriodSeconds"] == 105
 
 
-def test_gateway_pipeline_value_is_its_env(helm, render):
-    """gateway.pipeline is the gateway's --pipeline, through CROSSDRAFT_PIPELINE in its ConfigMap
-    (auto by default)."""
+def test_gateway_pipeline_and_load_gate_values_are_its_env(helm, render):
+    """gateway.pipeline and gateway.loadGate are the gateway's --pipeline and --load-gate, through
+    CROSSDRAFT_PIPELINE and CROSSDRAFT_LOAD_GATE in its ConfigMap (auto and on by default; loadGate is a
+    boolean: a values file's `off` would be YAML 1.1's false)."""
     gcm = find(render("default"), "ConfigMap", f"{FULL}-gateway-config")["data"]
-    assert gcm["CROSSDRAFT_PIPELINE"] == "auto"
-    docs = _template(helm, ("--set", "gateway.pipeline=off"), K8S_VERSIONS[-1])
-    assert find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]["CROSSDRAFT_PIPELINE"] == "off"
+    assert gcm["CROSSDRAFT_PIPELINE"] == "auto" and gcm["CROSSDRAFT_LOAD_GATE"] == "on"
+    docs = _template(helm, ("--set", "gateway.pipeline=off", "--set", "gateway.loadGate=false"), K8S_VERSIONS[-1])
+    data = find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]
+    assert data["CROSSDRAFT_PIPELINE"] == "off" and data["CROSSDRAFT_LOAD_GATE"] == "off"
     assert "CROSSDRAFT_PIPELINE" not in find(docs, "ConfigMap", f"{FULL}-models")["data"]
 
 

@@ -61,3 +61,19 @@ def test_blocks_drafted_ahead_are_counted_by_outcome():
         m.round(ev)
     assert _value(m, "crossdraft_blocks_drafted_ahead_total", outcome="used") == 2
     assert _value(m, "crossdraft_blocks_drafted_ahead_total", outcome="dropped") == 1
+
+
+def test_the_load_gates_are_exported_per_verifier_and_load():
+    """A gate that measured held better at 8 requests (a simulated machine, tests/unit/decoding/test_gate.py)
+    shows as held there, with both regimes' goodput and its one switch."""
+    from tests.unit.decoding.test_gate import DRAFT_LOSES, gate_with, simulate
+
+    gate, clock = gate_with(8)
+    simulate(gate, clock, 8, 3000, **DRAFT_LOSES)
+    m = Metrics()
+    m.watch_gates(lambda: {"10.0.0.7:50052": gate})
+    at = dict(verifier="10.0.0.7:50052", load="8")
+    assert _value(m, "crossdraft_load_gate_held", **at) == 1.0
+    free, held = (_value(m, "crossdraft_load_gate_goodput", regime=r, **at) for r in ("free", "held"))
+    assert free == pytest.approx(2.0, rel=0.05) and held == pytest.approx(2.5, rel=0.05)  # tokens / request-second
+    assert _value(m, "crossdraft_load_gate_switches_total", **at) == 1
