@@ -283,11 +283,11 @@ class Decoder(Pipelining):
         with self._lock:
             self._reqs[id(req)] = req
         req.gate = self.gate
-        req.gate.enter()
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
-            req.gate.leave()
+            if req.joined:
+                req.gate.leave()
             dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
             with dec._lock:
                 dec._reqs.pop(id(req), None)
@@ -301,7 +301,7 @@ class Decoder(Pipelining):
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
-        dec, first = self, True
+        dec = self
         while True:
             ev = None
             with (round_scope(round_index) if round_scope is not None else nullcontext(None)) as record:
@@ -311,10 +311,11 @@ class Decoder(Pipelining):
                 ev = done_round
             if ev is None:  # the round scope swallowed an error: the request ends here
                 return
-            # (the first round: its time since the request entered the loop, the prompt's prefill included)
-            req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0,
-                            time.perf_counter() - t_start if first else 0.0)
-            first = False
+            if req.joined:
+                req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0)
+            else:  # (its first round, the prompt's prefill: not measured)
+                req.gate.join()
+                req.joined = True
             round_index += 1
             run.next_round = round_index
             if not ev.done and req.chooser is not None and req.ready is None and req.ahead is None:

@@ -62,8 +62,10 @@ class Level:
 
 class LoadGate:
     """Measured goodput by load level: whether the requests sharing a verifier may draft now (see the
-    module's docstring). The round loop calls :meth:`enter` / :meth:`leave` around each request,
-    :meth:`record` after each round, and reads :attr:`held` before choosing a block."""
+    module's docstring). The round loop calls :meth:`join` when a request's first round ends (its
+    first round holds the prompt's prefill: seconds for one token, the same in both regimes, so it is
+    not measured), :meth:`record` after each later round, :meth:`leave` when a request that joined
+    ends, and asks :meth:`holds` before choosing a block."""
 
     margin = 1.03  # a try takes over only when it measures this much better than the kept regime
     rounds_per_request = 6  # a window lasts this many rounds per request sharing it (and min_window_s)
@@ -91,29 +93,24 @@ class LoadGate:
         self._open(self._t)
 
     # ---- the requests and their rounds ----------------------------------------------------------------
-    def enter(self) -> None:
-        """A request joins the round loop."""
+    def join(self) -> None:
+        """A request's first round ended: its rounds count from now."""
         with self._lock:
             self._advance(self.clock())
             self.running += 1
 
     def leave(self) -> None:
-        """A request leaves the round loop."""
+        """A request that joined leaves the round loop."""
         with self._lock:
             self._advance(self.clock())
             self.running = max(0, self.running - 1)
 
-    def record(self, tokens: int, speculative: bool, drafted: bool, first_s: float = 0.0) -> None:
-        """A round ended: it emitted ``tokens``; it belongs to a speculative request; it verified a
-        drafted block. ``first_s`` > 0: it was its request's first round, which took that long (the
-        prompt's prefill, the same in both regimes and long): not measured, its time taken out of the
-        window's request-seconds."""
+    def record(self, tokens: int, speculative: bool, drafted: bool) -> None:
+        """A round of a request that joined ended: it emitted ``tokens``; it belongs to a speculative
+        request; it verified a drafted block."""
         with self._lock:
             now = self.clock()
             self._advance(now)
-            if first_s > 0:
-                self._area = max(0.0, self._area - min(first_s, now - self._t0))
-                return
             if self._settle > 0:  # rounds that started under the previous regime: not measured
                 self._settle -= 1
                 if self._settle == 0:

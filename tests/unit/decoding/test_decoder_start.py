@@ -463,6 +463,15 @@ def test_while_the_load_gate_holds_measured_rounds_draft_nothing_and_fixed_block
         run = eng.decoder.run(sid, t_ids, d_ids, max_new_tokens=10, params=SamplingParams(), seed=0, draft=draft)
         return list(run)
 
+    # the gate counts a request from the end of its first round (its prompt's prefill is not measured)
+    run = eng.decoder.run("count", t_ids, d_ids, max_new_tokens=10, params=SamplingParams(), seed=0,
+                          draft=DraftConfig())
+    next(iter(run))
+    assert eng.decoder.gate.running == 1
+    run.close()
+    assert eng.decoder.gate.running == 0
+    eng.counting.syncs.clear()
+    eng.counting.drafts = 0
     monkeypatch.setattr(eng.decoder.gate, "holds", lambda: True)
     evs = rounds("held", DraftConfig())
     assert [t for ev in evs for t in ev.emitted] == ref.token_ids

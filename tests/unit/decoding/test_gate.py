@@ -45,7 +45,7 @@ def gate_with(n: int) -> tuple[LoadGate, Clock]:
     clock = Clock()
     gate = LoadGate(clock=clock)
     for _ in range(n):
-        gate.enter()
+        gate.join()
     return gate, clock
 
 
@@ -122,7 +122,7 @@ def test_a_heavier_load_starts_held_where_a_lighter_one_measured_held():
     simulate(gate, clock, 2, 1000, **DRAFT_LOSES)
     assert gate.snapshot()[1]["held"] is True
     for _ in range(6):  # the load rises to 8
-        gate.enter()
+        gate.join()
     regimes = simulate(gate, clock, 8, 400, **DRAFT_LOSES)
     assert 3 in gate.snapshot()
     # the load's first rounds at 8 ran held (then each level it passes through tries free once)
@@ -146,10 +146,11 @@ def test_disabled_it_never_holds():
     clock = Clock()
     gate = LoadGate(clock=clock, enabled=False)
     for _ in range(8):
-        gate.enter()
+        gate.join()
     assert not any(simulate(gate, clock, 8, 4000, **DRAFT_LOSES))
 
 
 def test_levels_are_powers_of_two_around_the_mean_load():
     assert level_of(1.0) == 0 and level_of(1.3) == 0
     assert level_of(2.0) == 1 and level_of(7.6) == 3 and level_of(8.0) == 3 and level_of(16.5) == 4
+
