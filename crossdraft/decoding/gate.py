@@ -18,7 +18,8 @@ cost little once the choice is stable), and a try takes over only when it beats 
 ``margin`` (hysteresis: noise does not make it flap). A level never measured starts from the
 neighbouring levels: held where a lighter load already measured held better (drafting pays less as
 the load grows), free otherwise -- so a rising load does not pay the lesson again at every level. A
-request alone (mean load under ~1.4) is never held: its own policy prices that case exactly.
+request alone (a mean load under ~1.4, or the only request in the loop at the moment) is never held:
+its own policy prices that case exactly.
 
 The gate never changes what is generated -- only whether blocks are drafted -- and it holds only the
 requests whose costs are measured (greedy or coupled draws): a seeded sampling run with static costs
@@ -126,8 +127,9 @@ class LoadGate:
                 self._close(now, mean)
 
     def holds(self) -> bool:
-        """Whether requests with measured costs run target-only rounds now."""
-        return self.enabled and self.held
+        """Whether requests with measured costs run target-only rounds now (never for a request alone in
+        the loop, whatever its level's regime: its own policy prices that case exactly)."""
+        return self.enabled and self.held and self.running > 1
 
     # ---- windows ----------------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:

@@ -154,3 +154,15 @@ def test_levels_are_powers_of_two_around_the_mean_load():
     assert level_of(1.0) == 0 and level_of(1.3) == 0
     assert level_of(2.0) == 1 and level_of(7.6) == 3 and level_of(8.0) == 3 and level_of(16.5) == 4
 
+
+
+def test_the_only_request_left_is_not_held_at_a_level_that_holds():
+    gate, clock = gate_with(8)
+    simulate(gate, clock, 8, 3000, **DRAFT_LOSES)
+    assert gate.snapshot()[3]["held"]
+    gate.held = True  # (the current window runs held: not in a try of free)
+    for _ in range(6):
+        gate.leave()
+    assert gate.running == 2 and gate.holds()
+    gate.leave()
+    assert gate.running == 1 and not gate.holds()
