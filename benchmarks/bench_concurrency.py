@@ -190,6 +190,30 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
             "texts": {i: results[i].get("text") for i in range(n_req)}}
 
 
+def gate_state(url: str) -> dict:
+    """The gateway's load gates now (its /metrics): {load: {held, free, held_goodput, switches}} over its
+    verifiers (crossdraft.decoding.gate; {} from a gateway without them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return {}
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("crossdraft_load_gate"):
+            continue
+        for s in fam.samples:
+            at = out.setdefault(s.labels["load"], {})
+            if s.name == "crossdraft_load_gate_held":
+                at["held"] = bool(s.value)
+            elif s.name == "crossdraft_load_gate_goodput":
+                at["free" if s.labels["regime"] == "free" else "held_goodput"] = round(s.value, 3)
+            elif s.name == "crossdraft_load_gate_switches_total":
+                at["switches"] = int(s.value)
+    return out
+
+
 def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: list[str], clients_list: str = "",
                 modes_list: str = "") -> dict:
     print(f"[{label}] starting the stack from {code}", flush=True)
@@ -234,6 +258,8 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                                 for i, t in x["texts"].items()]
                         p["seeded_same_as_target"] = f"{sum(same)}/{len(same)}"
                     del p["texts"]
+                    if mode == "spec":  # what the load gates measured and keep after this point
+                        p["load_gate"] = gate_state(stack.url)
                     out["points"].append(p)
                     paired = p.get("paired_spec_target")
                     print(f"[{label}] {mode:6s} T={temperature:g} clients={clients:3d}: "
@@ -242,6 +268,8 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                           f"accept {p['acceptance']:.2f}  failed {p['failed']}  "
                           f"{p.get('greedy_identical', p.get('seeded_same_as_target', ''))}"
                           + (f"  spec/target by repeat {paired}" if paired else ""), flush=True)
+                    if p.get("load_gate"):
+                        print(f"[{label}]        load gate: {p['load_gate']}", flush=True)
                     for x in runs:
                         print(f"[{label}]        CPU ms per token: "
                               + "  ".join(f"{k} {v:.1f}" for k, v in x.get("cpu_ms_per_token", {}).items())
