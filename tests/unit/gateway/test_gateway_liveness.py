@@ -100,3 +100,24 @@ def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
         sb.stop(None)
     # released, the decoder pairs the slow replica (same model, same revision as paired)
     assert not decoding.is_alive() and (addr_b, None, "") in gw._decoders
+
+
+def test_one_load_gate_per_verifier_replica_and_load_gate_off():
+    """Whether drafting pays under load is a question of a verifier's whole load: the gateway gives every
+    Decoder over one verifier replica (all drafter replicas and kinds) the same load gate, another
+    replica its own; `--load-gate off` makes gates that never hold."""
+    (sa, addr_a), (sb, addr_b) = _serve(_Verifier("r1")), _serve(_Verifier("r1"))
+    try:
+        for setting in ("on", "off"):
+            placement = Placement(Pool("verifier", [addr_a, addr_b]), None, RemoteVerifier, None)
+            gw = Gateway(GatewayConfig(verifier=f"{addr_a},{addr_b}", redis_url="redis://unused", load_gate=setting),
+                         SimpleNamespace(drafter_tok=None), placement, SimpleNamespace(ping=lambda: True))
+            ga, gb = gw.decoder(addr_a, None).gate, gw.decoder(addr_b, None).gate
+            assert gw._gates == {addr_a: ga, addr_b: gb} and ga is not gb
+            assert gw.decoder(addr_a, None).gate is ga
+            assert ga.enabled is (setting == "on") and gb.enabled is (setting == "on")
+            for c in list(placement.clients.values()):
+                c.close()
+    finally:
+        sa.stop(None)
+        sb.stop(None)
