@@ -283,11 +283,11 @@ class Decoder(Pipelining):
         with self._lock:
             self._reqs[id(req)] = req
         req.gate = self.gate
+        req.gate.enter()
         try:
             yield from self._loop(run, req, round_index, round_scope, t_start)
         finally:
-            if req.joined:
-                req.gate.leave()
+            req.gate.leave()
             dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
             with dec._lock:
                 dec._reqs.pop(id(req), None)
@@ -311,11 +311,7 @@ class Decoder(Pipelining):
                 ev = done_round
             if ev is None:  # the round scope swallowed an error: the request ends here
                 return
-            if req.joined:
-                req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0)
-            else:  # (its first round, the prompt's prefill: not measured)
-                req.gate.join()
-                req.joined = True
+            req.gate.record(len(ev.emitted), ev.speculative, ev.drafted > 0)
             round_index += 1
             run.next_round = round_index
             if not ev.done and req.chooser is not None and req.ready is None and req.ahead is None:

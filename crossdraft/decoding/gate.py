@@ -63,14 +63,13 @@ class Level:
 
 class LoadGate:
     """Measured goodput by load level: whether the requests sharing a verifier may draft now (see the
-    module's docstring). The round loop calls :meth:`join` when a request's first round ends (its
-    first round holds the prompt's prefill: seconds for one token, the same in both regimes, so it is
-    not measured), :meth:`record` after each later round, :meth:`leave` when a request that joined
-    ends, and asks :meth:`holds` before choosing a block."""
+    module's docstring). The round loop calls :meth:`enter` / :meth:`leave` around each request (its
+    whole time counts, the prompt's prefill included: a regime that makes prefills wait pays for it),
+    :meth:`record` after each round, and asks :meth:`holds` before choosing a block."""
 
     margin = 1.03  # a try takes over only when it measures this much better than the kept regime
-    rounds_per_request = 6  # a window lasts this many rounds per request sharing it (and min_window_s)
-    min_window_s = 3.0
+    rounds_per_request = 4  # a window lasts this many rounds per request sharing it (and min_window_s)
+    min_window_s = 2.0
     # after a switch, rounds per request not measured: those in flight, and (free after held) the first
     # block's drafter catch-up and the policies' first look at the load again
     settle_rounds = 2
@@ -94,21 +93,26 @@ class LoadGate:
         self._open(self._t)
 
     # ---- the requests and their rounds ----------------------------------------------------------------
-    def join(self) -> None:
-        """A request's first round ended: its rounds count from now."""
+    def enter(self) -> None:
+        """A request enters the round loop. Into an idle loop: the window starts over, and is not
+        measured (a burst's requests all prefill at once, which no later window of that load does)."""
         with self._lock:
-            self._advance(self.clock())
+            now = self.clock()
+            self._advance(now)
+            if self.running == 0:
+                self._open(now)
+                self._cold = True
             self.running += 1
 
     def leave(self) -> None:
-        """A request that joined leaves the round loop."""
+        """A request leaves the round loop."""
         with self._lock:
             self._advance(self.clock())
             self.running = max(0, self.running - 1)
 
     def record(self, tokens: int, speculative: bool, drafted: bool) -> None:
-        """A round of a request that joined ended: it emitted ``tokens``; it belongs to a speculative
-        request; it verified a drafted block."""
+        """A round ended: it emitted ``tokens``; it belongs to a speculative request; it verified a
+        drafted block."""
         with self._lock:
             now = self.clock()
             self._advance(now)
@@ -138,6 +142,7 @@ class LoadGate:
         self._t = now
 
     def _open(self, now: float) -> None:
+        self._cold = False
         self._t0 = now
         self._area = 0.0
         self._tokens = self._rounds = self._spec = self._drafted = 0
@@ -148,6 +153,8 @@ class LoadGate:
         regime = self.held
         if level == 0:  # a request alone: its own policy rules
             self.level, self.held = 0, False
+        elif self._cold:  # (the window began in an idle loop: its level's regime starts now)
+            self.level, self.held = level, self._at(level).held_now()
         else:
             st = self._at(level)
             # a window is measured at its level where it ran that level's regime (where the load moved

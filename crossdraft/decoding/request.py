@@ -74,7 +74,6 @@ class Request:
     # the load gate (crossdraft.decoding.gate.LoadGate) of the Decoder the request started on: it counts
     # the request and its rounds, and says whether rounds with measured costs may draft now
     gate: object = None
-    joined: bool = False  # (its first round ended: the gate counts it)
 
     def remaining(self) -> int:
         """Tokens the request may still generate."""

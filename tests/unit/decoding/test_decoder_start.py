@@ -258,20 +258,27 @@ class QueuedVerifier:
         import dataclasses
         import time
 
+        t0 = time.perf_counter()
         time.sleep(self.wait_s)
+        waited = time.perf_counter() - t0  # (what it slept: a busy machine oversleeps by 10-20 ms)
         res = self.inner.verify(*a, **kw)
         if self.report:
-            res = dataclasses.replace(res, queue_wait_s=res.queue_wait_s + self.wait_s)
+            res = dataclasses.replace(res, queue_wait_s=res.queue_wait_s + waited)
         return res
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-def test_a_verifiers_queue_wait_is_not_read_as_the_cost_of_a_block(eng):
+def test_a_verifiers_queue_wait_is_not_read_as_the_cost_of_a_block(eng, monkeypatch):
     """The wall-clock correction compares a verification's time with its predicted forward: the
     wait in the verifier's queue (other sessions' forwards) is not part of it. Read as part of it,
-    the target looked many times slower than its table and drafting looked cheap under load."""
+    the target looked many times slower than its table and drafting looked cheap under load. (The
+    correction's bound is lifted here: the Python around a ~1 ms forward alone reads as 8-23x on a
+    busy 2-vCPU machine, which the usual bound of 50 would squeeze against the wait's ~200x.)"""
+    from crossdraft.decoding.costmodel import CostModel
+
+    monkeypatch.setattr(CostModel, "max_scale", 1000.0)
     real = eng.decoder.verifier
     seen = {}
     for report in (False, True):
@@ -284,7 +291,7 @@ def test_a_verifiers_queue_wait_is_not_read_as_the_cost_of_a_block(eng):
     step_ms = eng.verifier.timings()[0]
     print(f"target step {step_ms:.1f} ms; scale_v, wait unreported {seen[False]:.2f}, reported {seen[True]:.2f}")
     # a 250 ms wait on forwards of about a millisecond (the rest of seen[True] is Python around them)
-    assert seen[False] >= 30 and seen[True] < seen[False] / 3
+    assert seen[False] >= 60 and seen[True] < seen[False] / 3
 
 
 def test_the_requests_running_in_the_loop_are_the_least_load_a_round_prices(eng, monkeypatch):
@@ -463,7 +470,7 @@ def test_while_the_load_gate_holds_measured_rounds_draft_nothing_and_fixed_block
         run = eng.decoder.run(sid, t_ids, d_ids, max_new_tokens=10, params=SamplingParams(), seed=0, draft=draft)
         return list(run)
 
-    # the gate counts a request from the end of its first round (its prompt's prefill is not measured)
+    # the gate counts a request while it is in the loop
     run = eng.decoder.run("count", t_ids, d_ids, max_new_tokens=10, params=SamplingParams(), seed=0,
                           draft=DraftConfig())
     next(iter(run))

@@ -45,7 +45,7 @@ def gate_with(n: int) -> tuple[LoadGate, Clock]:
     clock = Clock()
     gate = LoadGate(clock=clock)
     for _ in range(n):
-        gate.join()
+        gate.enter()
     return gate, clock
 
 
@@ -122,7 +122,7 @@ def test_a_heavier_load_starts_held_where_a_lighter_one_measured_held():
     simulate(gate, clock, 2, 1000, **DRAFT_LOSES)
     assert gate.snapshot()[1]["held"] is True
     for _ in range(6):  # the load rises to 8
-        gate.join()
+        gate.enter()
     regimes = simulate(gate, clock, 8, 400, **DRAFT_LOSES)
     assert 3 in gate.snapshot()
     # the load's first rounds at 8 ran held (then each level it passes through tries free once)
@@ -146,7 +146,7 @@ def test_disabled_it_never_holds():
     clock = Clock()
     gate = LoadGate(clock=clock, enabled=False)
     for _ in range(8):
-        gate.join()
+        gate.enter()
     assert not any(simulate(gate, clock, 8, 4000, **DRAFT_LOSES))
 
 
