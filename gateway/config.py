@@ -42,9 +42,9 @@ class GatewayConfig:
     # pipelined rounds (crossdraft.decoding.pipeline): each block's successor is drafted while it is
     # verified; "auto" = on where the drafter does not share the verifier's hardware (see colocated)
     pipeline: str = "auto"
-    # the load gate (crossdraft.decoding.gate): "on" = drafting is held at a load where target-only rounds
-    # measure more goodput; "off" = the draft-length policy alone decides
-    load_gate: str = "on"
+    # the load gate (crossdraft.decoding.gate; experimental): "on" = drafting is held at a load where
+    # target-only rounds measure more goodput; "off" = the draft-length policy alone decides
+    load_gate: str = "off"
     # the drafter drafts from its this many most frequent tokens only (vocab.TokenPair); 0 = every token
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
     verifier_timeout_s: float = 120.0  # deadline of one Verify call

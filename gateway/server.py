@@ -91,10 +91,10 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="pipelined rounds: draft each block's successor while the block is verified (drafting off "
                         "the critical path); auto = on where the drafter does not share the verifier's hardware "
                         "(not --colocated) (env CROSSDRAFT_PIPELINE)")
-    p.add_argument("--load-gate", choices=("on", "off"), default=_env("LOAD_GATE", "on"),
-                   help="under load, hold drafting where target-only rounds measure more goodput at that load "
-                        "(per verifier and load level, re-tried now and then; docs/design.md); off = the draft-length "
-                        "policy's model alone decides (env CROSSDRAFT_LOAD_GATE)")
+    p.add_argument("--load-gate", choices=("on", "off"), default=_env("LOAD_GATE", "off"),
+                   help="experimental: under load, hold drafting where target-only rounds measure more goodput at "
+                        "that load (per verifier and load level, re-tried now and then; docs/design.md); off (the "
+                        "default) = the draft-length policy's model alone decides (env CROSSDRAFT_LOAD_GATE)")
     p.add_argument("--draft-vocab", type=int_arg("--draft-vocab", 0, env="CROSSDRAFT_DRAFT_VOCAB"),
                    default=str(_env("DRAFT_VOCAB", DEFAULT_DRAFT_VOCAB)),
                    help="the drafter drafts from its this many most frequent tokens only (by its tokenizer's merge "

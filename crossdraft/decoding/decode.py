@@ -82,9 +82,9 @@ class Decoder(Pipelining):
         self._price = self._dprice = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
-        # whether drafting pays at the load now, measured (crossdraft.decoding.gate); a gateway shares one
-        # among the Decoders over the same verifier
-        self.gate = gate if gate is not None else LoadGate()
+        # whether drafting pays at the load now, measured (crossdraft.decoding.gate; experimental, off unless
+        # given one that is on); a gateway shares one among the Decoders over the same verifier
+        self.gate = gate if gate is not None else LoadGate(enabled=False)
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:

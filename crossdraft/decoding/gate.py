@@ -112,7 +112,9 @@ class LoadGate:
 
     def record(self, tokens: int, speculative: bool, drafted: bool) -> None:
         """A round ended: it emitted ``tokens``; it belongs to a speculative request; it verified a
-        drafted block."""
+        drafted block. (A gate that is off measures nothing.)"""
+        if not self.enabled:
+            return
         with self._lock:
             now = self.clock()
             self._advance(now)
