@@ -10,7 +10,6 @@ shared verifier and Redis.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crossdraft.client import Client
 from crossdraft.serving.redis_server import RedisServer
-from tests.service_fixtures import Proc, gateway, model_server, wait_grpc_healthy, wait_http_ready
+from tests.service_fixtures import Proc, gateway, model_server, stream_and_kill, wait_grpc_healthy, wait_http_ready
 
 PROMPT = "def fibonacci(n):\n"
 LOAD_DELAY = "CROSSDRAFT_FAULT_LOAD_DELAY_S"
@@ -138,25 +137,11 @@ def test_drafter_killed_mid_stream_completes_target_only_with_identical_output(s
     ref = engine.generate(PROMPT, max_new_tokens=60, use_drafter=False)
     # 50 ms per proposed token: the stream is still drafting when the kill lands
     d, http = slow_drafter(0.05, drafter_timeout_s=5)
-    r = requests.post(http + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 60, "stream": True,
-                                                      "adaptive_draft": False, "num_draft_tokens": 4},
-                      stream=True, timeout=120)
-    assert r.status_code == 200
-    pieces, final, killed = [], None, False
-    for line in r.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        assert "error" not in obj, obj
-        ch = obj["choices"][0]
-        pieces.append(ch["text"])
-        if not killed:
-            d.kill()  # mid-stream: the first text has arrived, more rounds follow
-            killed = True
-        if ch["finish_reason"]:
-            final = obj
+    # killed mid-stream: once the first text has arrived, in a chunk that more rounds follow
+    text, final, killed = stream_and_kill(http, {"prompt": PROMPT, "max_tokens": 60, "adaptive_draft": False,
+                                                 "num_draft_tokens": 4}, d, 0)
     assert killed and final is not None
-    assert "".join(pieces) == ref.text
+    assert text == ref.text
     s = final["speculative"]
     assert s["drafter_fallback"] is True and "drafter" in s["fallback_reason"]
     assert final["usage"]["completion_tokens"] == len(ref.token_ids)
