@@ -52,7 +52,10 @@ class GatewayConfig:
     default_max_new_tokens: int = 64  # when a request gives none
     default_temperature: float = 0.0  # when a request gives none (0 = greedy)
     max_prompt_chars: int = 200_000  # longer prompts are rejected (HTTP 413 / INVALID_ARGUMENT)
-    connect_timeout_s: float = 900.0  # wait this long at start for drafter/verifier to become healthy
+    connect_timeout_s: float = 900.0  # wait this long at start for a verifier to become healthy
+    # then wait at most this long for each drafter kind; a kind not up by then is paired in the background as
+    # soon as one of its replicas answers (meanwhile requests draft with the other kinds, or run target-only)
+    drafter_start_wait_s: float = 60.0
     default_num_draft_tokens: int = 4  # initial block size
     # if non-empty, /v1/* and the gRPC API need "Authorization: Bearer <key>" (env CROSSDRAFT_API_KEYS only)
     api_keys: frozenset = frozenset()

@@ -35,10 +35,12 @@ class Gateway:
     """placement: a :class:`gateway.discovery.Placement` over the verifier and drafter pools."""
 
     def __init__(self, cfg: GatewayConfig, pair: TokenPair, placement, store: RedisSessionStore, *,
-                 tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0, kinds=None):
+                 tracer=None, metrics: Metrics | None = None, eos_ids=(), max_context: int = 0, kinds=None,
+                 kind_keys=None):
         """pair: the target paired with the first drafter kind (or alone); kinds: the pool of drafter
-        kinds (gateway/pool.py DrafterKind, the first one's pair being `pair`); None: the one drafter
-        of placement's "drafter" pool, if any."""
+        kinds paired so far (gateway/pool.py DrafterKind, the first one's pair being `pair`); None: the one
+        drafter of placement's "drafter" pool, if any. kind_keys: the placement keys of every configured
+        kind, in the operator's order (those not in `kinds` are paired later: :meth:`pair_later`)."""
         self.cfg = cfg
         self.pair = pair
         self.placement = placement
@@ -65,20 +67,82 @@ class Gateway:
         self.draining = False  # SIGTERM: not ready, no new generations; in-flight ones finish
         v = placement.any_client("verifier")
         self.model_name = v.info().get("model_name", "target") if v is not None else "target"
-        d = placement.any_client("drafter")
-        self.drafter_model = d.info().get("model_name") if d is not None else None
         # the Hub commit each model is paired at ("" = catalog model or local path); see revision_conflict
         self.model_revision = (v.info().get("revision") or "") if v is not None else ""
-        self.drafter_revision = (d.info().get("revision") or "") if d is not None else ""
-        self.has_drafter = pair.drafter_tok is not None and placement.pools["drafter"] is not None
+        self.drafter_model, self.drafter_revision = None, ""
         if kinds is None:
-            kinds = ([DrafterKind(kind_name(self.drafter_model or "drafter"), "drafter", pair, self.drafter_model or "",
-                                  self.drafter_revision)] if self.has_drafter else [])
-        self.kinds: dict[str, DrafterKind] = {k.name: k for k in kinds}  # in the operator's order
-        self._by_key = {k.key: k for k in kinds}
-        self.has_drafter = bool(self.kinds)
-        if kinds:  # (the first kind: the drafter of a gateway with one)
-            self.drafter_model, self.drafter_revision = kinds[0].model, kinds[0].revision
+            d = placement.any_client("drafter") if pair.drafter_tok is not None else None
+            if d is not None and placement.pools["drafter"] is not None:
+                self.drafter_model, self.drafter_revision = d.info().get("model_name"), d.info().get("revision") or ""
+                kinds = [DrafterKind(kind_name(self.drafter_model or "drafter"), "drafter", pair,
+                                     self.drafter_model or "", self.drafter_revision)]
+        kinds = list(kinds or ())
+        # the placement keys of every configured kind, in the operator's order; those not paired yet (their
+        # replicas did not answer at start) wait in `pending` with why ({key: reason}), paired by pair_later
+        self.kind_keys = list(kind_keys) if kind_keys is not None else [k.key for k in kinds]
+        self.pending: dict[str, str] = {}
+        self.watchers: list = []  # kubernetes discovery's EndpointSlice watches (gateway.server.build_gateway)
+        self.kinds: dict[str, DrafterKind] = {}
+        self._by_key: dict[str, DrafterKind] = {}
+        self.has_drafter = False
+        for k in kinds:
+            self.add_kind(k)
+
+    def add_kind(self, kind: DrafterKind) -> None:
+        """Pair one more drafter kind: requests that start from now on may draft with it. The kinds stay
+        in the operator's order (the pool's prior tries the first fluent one first)."""
+        with self._lock:
+            kinds = dict(self.kinds)
+            kinds[kind.name] = kind
+            rank = {key: i for i, key in enumerate(self.kind_keys)}
+            ordered = dict(sorted(kinds.items(), key=lambda kv: rank.get(kv[1].key, len(rank))))
+            # published whole, one assignment each: a request starting now reads one consistent set
+            self._by_key = {k.key: k for k in ordered.values()}
+            self.kinds = ordered
+            self.pending = {key: why for key, why in self.pending.items() if key != kind.key}
+            self.has_drafter = True
+            if kind.key == (self.kind_keys[0] if self.kind_keys else kind.key):  # the first: the gateway's drafter
+                self.drafter_model, self.drafter_revision = kind.model, kind.revision
+
+    def pair_later(self, keys, pair_one, interval_s: float = 2.0) -> threading.Thread | None:
+        """Pair the drafter kinds of placement `keys` that were not up at start, each as soon as one of its
+        replicas answers: ``pair_one(key)`` -> its DrafterKind, or None while none answers (a failure is
+        logged and retried, backing off to a minute). Until then requests draft with the other kinds, or run
+        target-only; readiness() lists the kinds still pending. Returns the pairing thread (None: none)."""
+        keys = [k for k in keys if k not in self._by_key]
+        if not keys:
+            return None
+        with self._lock:
+            self.pending = {**self.pending, **{k: "no replica answered yet" for k in keys}}
+        for key in keys:
+            log.warning("drafter kind %s: no replica answered at start; the gateway pairs it once one does "
+                        "(meanwhile requests draft with the other kinds, or run target-only)", key)
+
+        def run():
+            wait = dict.fromkeys(keys, interval_s)
+            due = dict.fromkeys(keys, 0.0)
+            while self.pending and not self.draining:
+                for key in list(self.pending):
+                    if time.monotonic() < due.get(key, 0.0):
+                        continue
+                    try:
+                        kind = pair_one(key)
+                    except Exception as e:  # e.g. its tokenizer could not be fetched: retried, later and later
+                        wait[key] = min(60.0, 2 * wait.get(key, interval_s))
+                        with self._lock:
+                            self.pending = {**self.pending, key: f"{type(e).__name__}: {e}"}
+                        log.warning("drafter kind %s could not be paired (again in %.0f s): %s: %s", key, wait[key],
+                                    type(e).__name__, e)
+                        kind = None
+                    if kind is not None:
+                        self.add_kind(kind)
+                        log.info("drafter kind %s (%s) paired", kind.name, kind.model)
+                    due[key] = time.monotonic() + wait.get(key, interval_s)
+                time.sleep(interval_s / 4)
+
+        t = threading.Thread(target=run, name="crossdraft-pairing", daemon=True)
+        t.start()
+        return t
 
     def kind(self, name: str | None) -> DrafterKind | None:
         """The drafter kind of that name (None: none of that name, or None asked)."""
@@ -168,6 +232,8 @@ class Gateway:
                 details[kind + "s"] = states
             if kind == "verifier" and (not states or any(s != "SERVING" for s in states.values())):
                 ok = False
+        if self.pending:  # kinds not paired yet (none of their replicas answered): requests draft without them
+            details["pending_drafter_kinds"] = dict(self.pending)
         states = details.get("verifiers") or {}
         stale = bool(states) and all(s.startswith("REFUSED") for s in states.values())
         with self._publish:  # prev is read here: a check published meanwhile may have started the stale spell
@@ -251,7 +317,7 @@ class Gateway:
         if s is None:
             return False  # none, or another key's (which stays)
         existed = self.store.delete(s)
-        k = self.kind(s.drafter_kind) or next(iter(self.kinds.values()), None)
+        k = self.kind(s.drafter_kind) if s.drafter_kind else self.kind_of(self.kind_keys[0] if self.kind_keys else "")
         self.end_on_servers(server_session_id(s.session_id, s.owner), s.verifier_address, s.drafter_address,
                             k.key if k is not None else "drafter")
         return existed

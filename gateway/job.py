@@ -108,8 +108,9 @@ class Job:
 
     def _session_kind(self) -> str | None:
         """The placement key of the drafter kind the session's drafter ids and address belong to."""
-        k = self.gw.kind(self.session.drafter_kind) if self.session.drafter_kind else next(
-            iter(self.gw.kinds.values()), None)
+        gw = self.gw  # (a session without a kind drafted with the gateway's first one, which may not be paired now)
+        k = gw.kind(self.session.drafter_kind) if self.session.drafter_kind else gw.kind_of(
+            gw.kind_keys[0] if gw.kind_keys else "")
         return k.key if k is not None else None
 
     def _choose_replicas(self, like: Job | None, prompt=None, messages=None) -> None:

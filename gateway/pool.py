@@ -243,24 +243,38 @@ def pool_args(a, env) -> tuple[tuple, tuple, str | None, tuple]:
     return tuple(pool.items()), tuple(services.items()), first, tuple(tokenizers.items())
 
 
-def build_kinds(cfg, placement, t_tok, vinfo: dict, more: dict, *, healthy, tokenizer, check, make_pair):
-    """The gateway's drafter kinds, in order (the first drafter, then the pool's): for each, the first
-    healthy replica's ModelInfo and tokenizer (``tokenizer(path or None, client)``; checked against the
-    server's digest by ``check``) paired with the target's (``make_pair``). Every kind must be up when the
-    gateway starts: its vocabulary mapping is built from its tokenizer."""
+def drafter_keys(placement) -> list[str]:
+    """The placement keys of the gateway's drafter kinds, in the operator's order ("drafter" first)."""
+    return [k for k in placement.pools if k.startswith("drafter") and placement.pools[k] is not None]
+
+
+def build_kinds(cfg, placement, t_tok, vinfo: dict, more: dict, *, healthy, **kw) -> tuple[list, list]:
+    """The gateway's drafter kinds at its start, in order (the first drafter, then the pool's), and the
+    placement keys of those not up yet: ``healthy(key)`` gives a client of the kind's first replica that
+    answers its health check, or None when none does in time (the gateway pairs that kind later, as soon as
+    one answers: :meth:`gateway.core.Gateway.pair_later`). ``kw``: as :func:`pair_kind`'s."""
+    kinds, pending = [], []
+    for key in drafter_keys(placement):
+        drafter = healthy(key)
+        if drafter is None:
+            pending.append(key)
+        else:
+            kinds.append(pair_kind(cfg, key, drafter, t_tok, vinfo, more, **kw))
+    return kinds, pending
+
+
+def pair_kind(cfg, key: str, drafter, t_tok, vinfo: dict, more: dict, *, tokenizer, check, make_pair) -> DrafterKind:
+    """The drafter kind of placement key `key`, from the ModelInfo and tokenizer of its replica `drafter`
+    (``tokenizer(path or None, client)``; checked against the server's digest by ``check``), paired with the
+    target's (``make_pair``): its vocabulary mapping is built from its tokenizer."""
     from crossdraft.errors import InvalidArgument
 
-    tokenizers = dict(cfg.drafter_tokenizers)
-    kinds = []
-    for key in [k for k in placement.pools if k.startswith("drafter") and placement.pools[k] is not None]:
-        drafter = healthy(key)
-        dinfo = drafter.info()
-        name = key.partition(":")[2] or cfg.drafter_name or kind_name(dinfo.get("model_name", ""))
-        if key == "drafter" and name in more:
-            raise InvalidArgument("drafter_pool", f"{name!r} names the first drafter (--drafter, serving "
-                                                  f"{dinfo.get('model_name')}): give the pool kind another name")
-        d_tok = tokenizer(cfg.drafter_tokenizer if key == "drafter" else tokenizers.get(name), drafter)
-        check(d_tok, dinfo, "drafter")
-        pair = make_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"], draft_vocab=cfg.draft_vocab)
-        kinds.append(DrafterKind(name, key, pair, dinfo.get("model_name", ""), dinfo.get("revision") or ""))
-    return kinds
+    dinfo = drafter.info()
+    name = key.partition(":")[2] or cfg.drafter_name or kind_name(dinfo.get("model_name", ""))
+    if key == "drafter" and name in more:
+        raise InvalidArgument("drafter_pool", f"{name!r} names the first drafter (--drafter, serving "
+                                              f"{dinfo.get('model_name')}): give the pool kind another name")
+    d_tok = tokenizer(cfg.drafter_tokenizer if key == "drafter" else dict(cfg.drafter_tokenizers).get(name), drafter)
+    check(d_tok, dinfo, "drafter")
+    pair = make_pair(t_tok, d_tok, vinfo["vocab_size"], dinfo["vocab_size"], draft_vocab=cfg.draft_vocab)
+    return DrafterKind(name, key, pair, dinfo.get("model_name", ""), dinfo.get("revision") or "")

@@ -102,7 +102,14 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                         "unchanged: the target verifies every token); 0 = every token (env CROSSDRAFT_DRAFT_VOCAB)")
     p.add_argument("--connect-timeout-s",
                    type=float_arg("--connect-timeout-s", 0, above=True, env="CROSSDRAFT_CONNECT_TIMEOUT_S"),
-                   default=str(_env("CONNECT_TIMEOUT_S", 900)))
+                   default=str(_env("CONNECT_TIMEOUT_S", 900)),
+                   help="how long to wait at start for a verifier to become healthy (then the gateway exits)")
+    p.add_argument("--drafter-start-wait-s",
+                   type=float_arg("--drafter-start-wait-s", 0, env="CROSSDRAFT_DRAFTER_START_WAIT_S"),
+                   default=str(_env("DRAFTER_START_WAIT_S", 60)),
+                   help="then how long to wait for each drafter kind; a kind not up by then is paired in the "
+                        "background once one of its replicas answers, and requests meanwhile draft with the other "
+                        "kinds or run target-only (env CROSSDRAFT_DRAFTER_START_WAIT_S)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -239,6 +246,7 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_pool_services=pool_services,
                          drafter_tokenizers=pool_toks, session_ttl_s=a.session_ttl_s,
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
+                         drafter_start_wait_s=a.drafter_start_wait_s,
                          round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, load_gate=a.load_gate,
                          draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
@@ -263,10 +271,11 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
     from .discovery import EndpointSliceWatcher, Placement, Pool
-    from .pool import build_kinds
+    from .pool import build_kinds, drafter_keys, pair_kind
     from .sessions import RedisSessionStore
 
     more: dict = {}  # a pool's kinds beyond the first: NAME -> Pool
+    watchers: list = []  # kubernetes: the EndpointSlice watches that keep the pools current
     if pools is not None:
         vpool, dpool = pools[0], pools[1]
         more = dict(pools[2]) if len(pools) > 2 else {}
@@ -276,9 +285,10 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
         more = {name: Pool(f"drafter:{name}") for name, _ in cfg.drafter_pool_services}
         watched = [(vpool, cfg.verifier_service), (dpool, cfg.drafter_service)]
         watched += [(more[name], svc) for name, svc in cfg.drafter_pool_services]
-        for pool, svc in watched:
-            if pool is not None:
-                EndpointSliceWatcher(pool, cfg.namespace, svc, cfg.port_name).start()
+        watchers = [EndpointSliceWatcher(pool, cfg.namespace, svc, cfg.port_name) for pool, svc in watched
+                    if pool is not None]
+        for w in watchers:
+            w.start()
     else:
         try:
             vpool = static_pool("verifier", cfg.verifier)
@@ -294,15 +304,24 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     t_tok = (load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer
              else _remote_tokenizer(verifier))
     _check_digest(t_tok, vinfo, "target")
-    kinds = build_kinds(cfg, placement, t_tok, vinfo, more,
-                        healthy=lambda key: _first_healthy(placement, key, cfg.connect_timeout_s),
-                        tokenizer=lambda path, client: load_tokenizer(path, progress=False) if path
-                        else _remote_tokenizer(client), check=_check_digest, make_pair=token_pair)
+    deadline = time.time() + cfg.drafter_start_wait_s  # (each kind waits within what is left of it)
+    pairing = dict(tokenizer=lambda path, client: load_tokenizer(path, progress=False) if path
+                   else _remote_tokenizer(client), check=_check_digest, make_pair=token_pair)
+    kinds, pending = build_kinds(cfg, placement, t_tok, vinfo, more, **pairing, healthy=lambda key: _first_healthy(
+        placement, key, max(0.0, deadline - time.time()), required=False))
     pair = kinds[0].pair if kinds else token_pair(t_tok, None, vinfo["vocab_size"], 0, draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
                               tls_ca_file=cfg.redis_tls_ca_file)
-    return Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
-                   max_context=vinfo["max_context_tokens"], kinds=kinds)
+    gw = Gateway(cfg, pair, placement, store, tracer=tracer, eos_ids=vinfo["eos_token_ids"],
+                 max_context=vinfo["max_context_tokens"], kinds=kinds, kind_keys=drafter_keys(placement))
+
+    def pair_one(key):  # a kind that was not up at start, once one of its replicas answers (else None)
+        drafter = _first_healthy(placement, key, 0.0, required=False)
+        return None if drafter is None else pair_kind(cfg, key, drafter, t_tok, vinfo, more, **pairing)
+
+    gw.pair_later(pending, pair_one)
+    gw.watchers = watchers
+    return gw
 
 
 # The gateway's caches of tokenizations, bounded. Each Rust BPE tokenizer keeps every word it splits
@@ -345,18 +364,23 @@ def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
     return pair
 
 
-def _first_healthy(placement, kind: str, timeout_s: float):
-    """A client of the first pod of `kind` that answers its health check (waits for the pool)."""
+def _first_healthy(placement, kind: str, timeout_s: float, required: bool = True):
+    """A client of the first pod of `kind` that answers its health check (waits for the pool up to
+    `timeout_s`, checking at least once); after that, CrossdraftError -- or None where not `required`."""
     from crossdraft.serving import rpc
 
-    t0 = time.time()
+    deadline = time.time() + timeout_s
     pool = placement.pools[kind]
-    while time.time() - t0 < timeout_s:
+    while True:
         for addr in pool.addresses():
-            if rpc.wait_healthy(addr, 1.0, tls=placement.client(kind, addr).tls):
+            if rpc.wait_healthy(addr, 1.0 if timeout_s > 0 else 0.2, tls=placement.client(kind, addr).tls):
                 return placement.client(kind, addr)
-        pool.wait_nonempty(1.0)
+        if time.time() >= deadline:
+            break
+        pool.wait_nonempty(min(1.0, max(0.0, deadline - time.time())))
         time.sleep(0.2)
+    if not required:
+        return None
     known = ", ".join(pool.addresses()) or "none known"
     raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({known})")
 

@@ -5,6 +5,7 @@ together)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -254,3 +255,58 @@ def stream_and_kill(http: str, body: dict, proc: Proc, at_chars: int) -> tuple[s
             proc.kill()
             killed = True
     return "".join(pieces), final, killed
+
+
+class TcpRelay:
+    """Forwards every TCP connection to 127.0.0.1:`port` to `target` (host:port), byte for byte, from
+    start() on: a server that comes up at an address a gateway was told about before it answered (the
+    server behind it is a real one, already running; the relay only decides when the address answers)."""
+
+    def __init__(self, port: int, target: str):
+        import threading
+
+        self.port, self.target = port, target
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+
+    def start(self) -> TcpRelay:
+        import threading
+
+        self._sock = socket.create_server(("127.0.0.1", self.port))
+        self._sock.settimeout(0.2)
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        import threading
+
+        host, _, port = self.target.rpartition(":")
+        while not self._stop.is_set():
+            try:
+                a, _ = self._sock.accept()
+            except OSError:  # (the timeout, or the socket closed by stop())
+                continue
+            try:
+                b = socket.create_connection((host, int(port)))
+            except OSError:  # the server behind is down: so is this address
+                a.close()
+                continue
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()

@@ -296,6 +296,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
         "--http-port", str(cfg.http_port),
         "--grpc-port", str(cfg.grpc_port),
     ]  # fmt: skip
+    if kids:  # up starts every drafter itself: the gateway waits for them as long as up waits for the stack
+        gateway += ["--drafter-start-wait-s", f"{cfg.ready_timeout_s:g}"]
     if cfg.pipeline:
         gateway += ["--pipeline", cfg.pipeline]
     if cfg.load_gate:

@@ -10,11 +10,16 @@ of that block at each kind's acceptance. The last test kills the close drafter."
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import requests
 
 from crossdraft.client import Client
 from tests.service_fixtures import (
+    TcpRelay,
+    free_port,
     gateway,
     metric_value,
     model_server,
@@ -59,7 +64,7 @@ def pool(stack, close_dir):
         gw, http, grpc_addr = gateway(stack.verifier_addr, stack.drafter_addr, stack.redis.url, stack.log_dir,
                                       drafter_timeout_s=5, extra=["--drafter-pool", f"close={close_addr}"])
         wait_http_ready(http, gw)
-        yield {"http": http, "grpc": grpc_addr, "close": close}
+        yield {"http": http, "grpc": grpc_addr, "close": close, "close_addr": close_addr}
     finally:
         for p in (gw, close):
             if p is not None:
@@ -124,6 +129,155 @@ def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_i
         requests.delete(f"{http}/v1/sessions/{sid}", timeout=30)
     assert choices_of(http, "close") >= before + 2  # (turn 1 moved to it or started on it; turn 2 started on it)
     assert metric_value(http, "crossdraft_drafter_tokens_total", '{drafter="close",outcome="accepted"}') > 0
+
+
+def test_a_drafter_down_at_start_is_paired_once_it_answers(stack, pool, reference):
+    """A gateway whose only drafter does not answer at its start (drafter_start_wait_s 0) starts all the
+    same, target-only, and its readiness says so; once the address answers (a relay to the running close
+    drafter opens there) the gateway pairs it within seconds and the next request drafts with it -- the
+    same text either way."""
+    from gateway.config import GatewayConfig
+    from gateway.server import build_gateway
+
+    port = free_port()
+    relay = TcpRelay(port, pool["close_addr"])
+    cfg = GatewayConfig(verifier=stack.verifier_addr, drafter=f"127.0.0.1:{port}", redis_url=stack.redis.url,
+                        connect_timeout_s=60, drafter_start_wait_s=0)
+
+    def run(gw):
+        job = gw.start(session_id=None, prompt=PROMPTS[0], messages=None, options={"max_new_tokens": N_NEW, **FIXED})
+        done = list(job.events())[-1]
+        assert done["text"] == reference[PROMPTS[0]]["choices"][0]["text"]
+        return done["stats"]
+
+    try:
+        gw = build_gateway(cfg)
+        ok, details = gw.readiness(max_age_s=0)
+        assert ok and list(details["pending_drafter_kinds"]) == ["drafter"], details
+        assert not gw.kinds and not gw.has_drafter
+        assert run(gw)["drafted"] == 0
+        relay.start()
+        deadline = time.time() + 60
+        while gw.pending:
+            assert time.time() < deadline, f"not paired within 60 s of answering: {gw.pending}"
+            time.sleep(0.2)
+        assert "pending_drafter_kinds" not in gw.readiness(max_age_s=0)[1]
+        stats = run(gw)
+        assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+    finally:
+        relay.stop()
+
+
+class FakeKubernetesApi:
+    """Stands in for a Kubernetes API server (none runs here), over real HTTP for the real kubernetes client:
+    LIST of a Service's EndpointSlices from ``slices`` ({service: [host:port]}), and WATCH streams that stay
+    open and carry the ADDED events that ``add(service, name, address)`` sends."""
+
+    def __init__(self, slices: dict[str, list[str]]):
+        import http.server
+        import json
+        import queue
+        import threading
+        import urllib.parse
+
+        self.slices, self.events = slices, {svc: queue.Queue() for svc in slices}
+        self.stop = threading.Event()
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                q = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+                svc = q["labelSelector"][0].partition("=")[2]
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if q.get("watch", ["false"])[0] != "true":
+                    body = json.dumps({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                                       "metadata": {"resourceVersion": "10"},
+                                       "items": [api.slice(svc, f"{svc}-{i}", a)
+                                                 for i, a in enumerate(api.slices[svc])]}).encode()
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_header("Transfer-Encoding", "chunked")  # (as an API server streams a watch)
+                self.end_headers()
+                while not api.stop.is_set():  # a watch: events as they come, until the server stops
+                    with contextlib.suppress(queue.Empty):
+                        line = (json.dumps(api.events[svc].get(timeout=0.2)) + "\n").encode()
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                        self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @staticmethod
+    def slice(svc: str, name: str, address: str) -> dict:
+        host, _, port = address.rpartition(":")
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": name, "resourceVersion": "11",
+                             "labels": {"kubernetes.io/service-name": svc}},
+                "endpoints": [{"addresses": [host], "conditions": {"ready": True}}],
+                "ports": [{"name": "grpc", "port": int(port), "protocol": "TCP"}]}
+
+    def add(self, svc: str, name: str, address: str) -> None:
+        self.events[svc].put({"type": "ADDED", "object": self.slice(svc, name, address)})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_kubernetes_discovery_of_several_drafter_services(stack, pool, reference, tmp_path, monkeypatch):
+    """--discovery kubernetes with --drafter-pool-service: the gateway watches each kind's Service (through a
+    fake API server: LIST + WATCH over HTTP, the real kubernetes client), pairs the kinds whose EndpointSlices
+    list a ready pod, starts without the one whose Service has none yet, and pairs it when a WATCH event adds
+    its pod; requests draft with the kinds and give the target-only text."""
+    from gateway.config import GatewayConfig
+    from gateway.server import build_gateway
+
+    api = FakeKubernetesApi({"verifier": [stack.verifier_addr], "far": [stack.drafter_addr],
+                             "close": [pool["close_addr"]], "late": []})
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{api.url}"}}}}]
+users: [{{name: test, user: {{token: unused}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: test, namespace: llm}}}}]
+current-context: fake
+""")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cfg = GatewayConfig(verifier=None, discovery="kubernetes", verifier_service="verifier", drafter_service="far",
+                        drafter_pool_services=(("close", "close"), ("late", "late")), namespace="llm",
+                        redis_url=stack.redis.url, connect_timeout_s=60, drafter_start_wait_s=0)
+    gw = None
+    try:
+        gw = build_gateway(cfg)
+        assert list(gw.kinds)[1:] == ["close"] and list(gw.pending) == ["drafter:late"]
+        assert gw.placement.pools["drafter:close"].addresses() == [pool["close_addr"]]
+        api.add("late", "late-0", pool["close_addr"])
+        deadline = time.time() + 60
+        while gw.pending:
+            assert time.time() < deadline, gw.pending
+            time.sleep(0.2)
+        assert list(gw.kinds)[1:] == ["close", "late"]
+        job = gw.start(session_id=None, prompt=PROMPTS[2], messages=None, options={"max_new_tokens": N_NEW, **FIXED})
+        done = list(job.events())[-1]
+        assert done["text"] == reference[PROMPTS[2]]["choices"][0]["text"]
+        assert done["stats"]["drafted"] > 0 and done["stats"]["drafter"] in gw.kinds
+    finally:
+        for w in gw.watchers if gw is not None else ():
+            w.stop()
+        api.close()
 
 
 def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):

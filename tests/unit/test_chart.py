@@ -635,13 +635,16 @@ def test_gateway_drain_matches_the_pod_grace_period(helm, render):
 
 def test_gateway_pipeline_and_load_gate_values_are_its_env(helm, render):
     """gateway.pipeline and gateway.loadGate are the gateway's --pipeline and --load-gate, through
-    CROSSDRAFT_PIPELINE and CROSSDRAFT_LOAD_GATE in its ConfigMap (auto and off by default). A values file's
+    CROSSDRAFT_PIPELINE and CROSSDRAFT_LOAD_GATE in its ConfigMap (auto and off by default); likewise
+    gateway.drafterStartWaitSeconds and --drafter-start-wait-s. A values file's
     `off` is YAML 1.1's false: pipeline takes it for off, and loadGate is a boolean."""
     gcm = find(render("default"), "ConfigMap", f"{FULL}-gateway-config")["data"]
     assert gcm["CROSSDRAFT_PIPELINE"] == "auto" and gcm["CROSSDRAFT_LOAD_GATE"] == "off"
-    docs = _template(helm, ("--set", "gateway.pipeline=false", "--set", "gateway.loadGate=true"), K8S_VERSIONS[-1])
+    docs = _template(helm, ("--set", "gateway.pipeline=false", "--set", "gateway.loadGate=true",
+                            "--set", "gateway.drafterStartWaitSeconds=30"), K8S_VERSIONS[-1])
     data = find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]
     assert data["CROSSDRAFT_PIPELINE"] == "off" and data["CROSSDRAFT_LOAD_GATE"] == "on"
+    assert data["CROSSDRAFT_DRAFTER_START_WAIT_S"] == "30"  # (--drafter-start-wait-s)
     assert "CROSSDRAFT_PIPELINE" not in find(docs, "ConfigMap", f"{FULL}-models")["data"]
 
 

@@ -129,6 +129,7 @@ _GATEWAY_FLAGS = [
     ("--queue-timeout-s", "-0.5", "must be >= 0"),
     ("--stale-pairing-restart-s", "-1", "must be >= 0"),
     ("--drain-timeout-s", "-1", "must be >= 0"),
+    ("--drafter-start-wait-s", "-1", "must be >= 0"),
 ]
 
 
@@ -150,7 +151,8 @@ def test_gateway_flags_in_range_reach_the_config():
     from gateway.server import build_parser, config_from_args
 
     a = build_parser().parse_args(["--verifier", "x:1", "--redis-url", "redis://x", "--draft-vocab", "4096",
-                                   "--max-queued-requests", "0", "--stale-pairing-restart-s", "0"])
+                                   "--max-queued-requests", "0", "--stale-pairing-restart-s", "0",
+                                   "--drafter-start-wait-s", "0"])
     cfg = config_from_args(a)
-    assert cfg.draft_vocab == 4096
+    assert cfg.draft_vocab == 4096 and cfg.drafter_start_wait_s == 0.0
     assert (a.max_queued_requests, a.stale_pairing_restart_s) == (0, 0.0)

@@ -121,3 +121,51 @@ def test_one_load_gate_per_verifier_replica_and_load_gate_off():
     finally:
         sa.stop(None)
         sb.stop(None)
+
+
+def test_drafter_kinds_paired_later_join_in_the_operators_order():
+    """Kinds whose replicas did not answer at start wait in `pending` with why; pair_later retries each
+    (a failure is kept as the reason and retried) until it pairs, and the gateway's kinds stay in the
+    configured order whatever order they joined in; the first configured kind is the gateway's drafter."""
+    from gateway.pool import DrafterKind
+
+    (sa, addr_a) = _serve(_Verifier("r1"))
+    try:
+        placement = Placement(Pool("verifier", [addr_a]), None, RemoteVerifier, None)
+        kinds = {key: DrafterKind(key.partition(":")[2] or "first", key, SimpleNamespace(drafter_tok=None), "m-" + key)
+                 for key in ("drafter", "drafter:b", "drafter:c")}
+        gw = Gateway(GatewayConfig(verifier=addr_a, redis_url="redis://unused"), SimpleNamespace(drafter_tok=None),
+                     placement, SimpleNamespace(ping=lambda: True), kinds=[kinds["drafter:c"]],
+                     kind_keys=list(kinds))
+        assert (list(gw.kinds), gw.has_drafter, gw.drafter_model) == (["c"], True, None)
+        calls = {"drafter": 0, "drafter:b": 0}
+        step = threading.Semaphore(0)
+
+        def pair_one(key):
+            step.acquire(timeout=GUARD_S)
+            calls[key] += 1
+            if key == "drafter:b" and calls[key] == 1:
+                raise ConnectionError("tokenizer fetch failed")
+            return kinds[key] if (key, calls[key]) in (("drafter:b", 2), ("drafter", 3)) else None
+
+        t = gw.pair_later(["drafter", "drafter:b"], pair_one, interval_s=0.01)
+        assert set(gw.pending) == {"drafter", "drafter:b"}
+        for _ in range(2):  # one try of each: "drafter" not up, "b" fails
+            step.release()
+        failed = threading.Event()
+        for _ in range(int(GUARD_S / 0.01)):
+            if "ConnectionError" in gw.pending.get("drafter:b", ""):
+                failed.set()
+                break
+            failed.wait(0.01)
+        assert failed.is_set()
+        assert "tokenizer fetch failed" in gw.pending["drafter:b"] and list(gw.kinds) == ["c"]
+        for _ in range(8):
+            step.release()
+        t.join(GUARD_S)
+        assert not t.is_alive() and gw.pending == {}
+        assert list(gw.kinds) == ["first", "b", "c"] and gw.drafter_model == "m-drafter"
+        assert [k.key for k in gw.kinds.values()] == ["drafter", "drafter:b", "drafter:c"]
+        assert gw.kind_of("drafter:b") is kinds["drafter:b"]
+    finally:
+        sa.stop(None)

@@ -139,7 +139,8 @@ def test_child_commands_flags_and_ports():
                                 "--device", "cuda:1", "--dtype", "bfloat16"]  # fmt: skip
     assert cmds["gateway"] == ["/py", "-m", "gateway", "--drafter", "127.0.0.1:6001", "--verifier", "127.0.0.1:6002",
                                "--redis-url", "redis://127.0.0.1:7000/0", "--host", "127.0.0.1",
-                               "--http-port", "8123", "--grpc-port", "6051"]  # fmt: skip
+                               "--http-port", "8123", "--grpc-port", "6051",
+                               "--drafter-start-wait-s", "900"]  # fmt: skip
 
 
 def test_child_commands_defaults_and_no_drafter():

@@ -71,7 +71,8 @@ def test_one_drafter_gives_todays_commands(monkeypatch):
                                "--revision", "v1", "--model-file", "m.gguf"]  # fmt: skip
     assert cmds["gateway"] == ["/py", "-m", "gateway", "--drafter", "127.0.0.1:6001", "--verifier", "127.0.0.1:6002",
                                "--redis-url", REDIS, "--host", "127.0.0.1", "--http-port", "8123",
-                               "--grpc-port", "6051"]  # fmt: skip
+                               "--grpc-port", "6051",
+                               "--drafter-start-wait-s", "900"]  # fmt: skip
     # the same through the dataclass, as benchmarks and tests build it
     assert child_commands(UpConfig(target="T", drafter="D", drafter_dtype="float32", drafter_device="cuda:0",
                                    drafter_cpus=(0, 1), drafter_port=6001, drafter_metrics_port=9101,
