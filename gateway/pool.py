@@ -141,37 +141,6 @@ class PoolChoice:
         e = self.est.get(name)
         return e["s"] / e["t"] if e and e.get("t", 0) > 0 else 0.0
 
-    def per_round(self, name: str) -> float:
-        """Tokens per drafted round the kind's rounds yielded (decayed; 0 where unpriced or unmeasured)."""
-        e = self.est.get(name, {})
-        return e["y"] / e["r"] if e.get("r", 0) > 0 else 0.0
-
-    @staticmethod
-    def _yielded(req, ev, e: dict) -> None:
-        """Count a drafted round's tokens and its cost as the kind's policy priced it (measured costs only:
-        ``predicted_s`` over the request's target step, in target-only rounds at the same prices)."""
-        step, priced = getattr(req, "step_s", 0.0), getattr(ev, "predicted_s", 0.0)
-        if ev.done or not (step > 0 and priced > 0) or req.policy is None:
-            return
-        alone = req.policy.predict(0, 0)[1]  # a target-only round's cost at the prices of now
-        if not alone > 0:
-            return
-        e["y"] = DECAY * e.get("y", 0.0) + len(ev.emitted)
-        e["c"] = DECAY * e.get("c", 0.0) + priced / step / alone
-        e["r"] = DECAY * e.get("r", 0.0) + 1
-
-    @staticmethod
-    def _value(req, e: dict) -> float:
-        """A kind's value: with its drafted rounds priced (EXPLORE_ROUNDS or more), the tokens they yielded
-        per target-only round of cost -- acceptance comes in runs (a drafter right about a phrase is right
-        for all of it, and confident blocks run on), which the policy's model of independent acceptance
-        misses, so a kind that accepts 60% of long blocks can outdraft one that accepts 85% of short ones;
-        1.0 where that is below the margin drafting must clear. Otherwise the policy's value()."""
-        if e.get("r", 0.0) < EXPLORE_ROUNDS * DECAY or not getattr(getattr(req, "draft", None), "adaptive", True):
-            return req.policy.value()
-        rate = e["y"] / e["c"]
-        return rate if rate >= req.policy.costs.need() else 1.0
-
     def candidates(self) -> list[str]:
         """The kinds this request may still use, best first: measured ones by value, then the prior order."""
         live = [n for n in self.order if n not in self.down]
@@ -200,9 +169,8 @@ class PoolChoice:
             e["s"] = DECAY * e["s"] + ev.accepted
             e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
             e["n"] += 1
-            self._yielded(req, ev, e)
             if req.policy is not None:
-                e["v"] = self._value(req, e)
+                e["v"] = req.policy.value()
         elif req.spec and ev.skip_reason in ("acceptance", "drafter busy"):
             # the kind's policy stopped drafting for reasons of its own: measured, and worth nothing now
             e["n"], e["v"] = max(e["n"], EXPLORE_ROUNDS), 1.0
@@ -244,8 +212,7 @@ class PoolChoice:
 
     def snapshot(self) -> dict:
         """The estimates to keep with the session (rounded: a session document stays small)."""
-        return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4),
-                    **{k: round(e[k], 3) for k in ("y", "c", "r") if k in e}}
+        return {n: {"s": round(e["s"], 3), "t": round(e["t"], 3), "n": int(e["n"]), "v": round(e["v"], 4)}
                 for n, e in self.est.items()}
 
 

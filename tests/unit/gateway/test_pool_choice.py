@@ -28,10 +28,8 @@ class Req:
         self.d = object()
 
 
-def ev(drafted: int, accepted: int, skip: str = "", cost: float = 0.0, step_s: float = 0.0):
-    """A round's event; `cost`: what the kind's policy priced it at, in target-only rounds (0: static costs)."""
-    return SimpleNamespace(drafted=drafted, accepted=accepted, skip_reason=skip, done=False,
-                           emitted=[0] * (accepted + 1), predicted_s=cost * step_s)
+def ev(drafted: int, accepted: int, skip: str = ""):
+    return SimpleNamespace(drafted=drafted, accepted=accepted, skip_reason=skip)
 
 
 def chooser(order, estimates=None, down=()):
@@ -192,45 +190,3 @@ def test_each_discovery_reads_its_own_pool_variable(monkeypatch):
     k8s = _config(["--discovery", "kubernetes", "--verifier-service", "v"], monkeypatch, env)
     assert k8s.drafter_pool == () and k8s.drafter_pool_services == (("b", "svc-b"),)
 
-
-
-class PricedReq(Req):
-    """A request with measured costs: a target-only round costs 1 step of 0.1 s at the prices of now."""
-
-    def __init__(self, value: float):
-        super().__init__(value)
-        self.step_s = 0.1
-        self.policy.predict = lambda drafted, steps: (1.0, 1.0)
-        self.policy.costs = SimpleNamespace(need=lambda: 1.05)
-
-
-def test_priced_rounds_rank_kinds_by_the_tokens_they_yield_not_by_independent_acceptance():
-    """A cheap kind that gets less than half of its drafts right is explored away from (acceptance
-    under GOOD_ALPHA), but what decides between measured kinds is what their rounds yielded per cost: where
-    its rounds gave 1.85 tokens at 1.15 target-only rounds of cost, against the other kind's 2.3 tokens at
-    1.7, the request goes back to it -- though the policy's model of independent acceptance values the other
-    higher (1.5 vs 1.2); where they cost 1.5, it stays on the other."""
-    step = 0.1
-    value_of = {"tiny": 1.2, "family": 1.5}  # the independent-acceptance model's view
-
-    def drive_priced(pc, req, runs, n):
-        for i in range(n):
-            d, a, cost = runs[pc.current]
-            req.val = value_of[pc.current]
-            spread = int((i + 1) * a) - int(i * a)  # accepted counts spread evenly around the mean
-            pc(req, ev(d, spread, cost=cost, step_s=step))
-
-    for tiny_cost, ends_on in ((1.15, "tiny"), (1.5, "family")):
-        pc, moves = chooser(["tiny", "family"])
-        req = PricedReq(1.2)
-        drive_priced(pc, req, {"tiny": (3, 0.85, tiny_cost), "family": (2, 1.3, 1.7)}, 20)
-        assert moves[0] == "family" and pc.current == ends_on, (tiny_cost, moves)
-        assert abs(pc.per_round("tiny") - 1.85) < 0.2 and abs(pc.per_round("family") - 2.3) < 0.2
-
-
-def test_priced_rounds_that_do_not_clear_the_margin_are_worth_nothing():
-    pc, _ = chooser(["only"])
-    req = PricedReq(1.4)  # the policy's model still thinks drafting pays
-    for _ in range(6):
-        pc(req, ev(4, 0, cost=1.3, step_s=0.1))  # one token a round at 1.3 rounds of cost
-    assert pc.value("only") == 1.0 and pc.snapshot()["only"]["r"] > 0
