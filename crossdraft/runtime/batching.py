@@ -46,10 +46,8 @@ class BatchConfig:
     max_rows: int = 32  # sessions in one forward at most
     max_tokens: int = 4096  # tokens in one forward at most (rows x the longest row: the padded forward)
     # how long the first row may wait for others that are in flight or due (None = automatic:
-    # auto_wait_share of the mean forward time, from 1 ms to auto_wait_cap_ms)
+    # 15% of the mean forward time, 1 to 30 ms)
     max_wait_ms: float | None = None
-    auto_wait_share: float = 0.15
-    auto_wait_cap_ms: float = 30.0
     prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
     kv_cache_memory_fraction: float = 0.0  # automatic size's memory share (0 = 0.2 on CPU, 0.8 on CUDA)
@@ -66,8 +64,6 @@ class BatchConfig:
                 raise InvalidArgument(name, f"must be an integer >= 1, got {v!r}")
         if self.max_wait_ms is not None and not 0 <= self.max_wait_ms <= 1000:
             raise InvalidArgument("max_wait_ms", f"must be in [0, 1000], got {self.max_wait_ms}")
-        if not 0 < self.auto_wait_share <= 1 or not 0 <= self.auto_wait_cap_ms <= 1000:
-            raise InvalidArgument("auto_wait_share", "auto_wait_share must be in (0, 1], auto_wait_cap_ms in [0, 1000]")
         if self.kv_cache_tokens < 0:
             raise InvalidArgument("kv_cache_tokens", "must be >= 0 (0 = automatic)")
         if not 0 <= self.kv_cache_memory_fraction <= 0.95:
@@ -346,8 +342,7 @@ class BatchScheduler:
     def _max_wait_s(self) -> float:
         if self.cfg.max_wait_ms is not None:
             return self.cfg.max_wait_ms / 1000.0
-        cfg = self.cfg
-        return min(cfg.auto_wait_cap_ms / 1000.0, max(0.001, cfg.auto_wait_share * self._forward_s))
+        return min(0.030, max(0.001, 0.15 * self._forward_s))
 
     def _due(self, slots: set, now: float, deadline: float) -> bool:
         """Whether a session not in the batch is expected to send its next row before the deadline:

@@ -118,9 +118,8 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=str(_env("MAX_BATCH_TOKENS", 4096)),
                    help="tokens per forward")
     p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
-                   help="longest wait of a forward for more rows in flight or due; auto = a share of the mean "
-                        "forward time: a verifier's 50%%, up to 250 ms; a drafter's 15%%, up to 30 ms "
-                        "(env CROSSDRAFT_BATCH_WAIT_MS)")
+                   help="longest wait of a forward for more rows in flight or due; auto = 15%% of the mean "
+                        "forward time, 1-30 ms (env CROSSDRAFT_BATCH_WAIT_MS)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=_env("CUDA_GRAPHS", "auto"),
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
                         "bucket; auto = on for a CUDA device; 'on' on a CPU runs the padded path without graphs "
@@ -201,23 +200,12 @@ def quantize_for(kind: str, cfg: ModelServerConfig) -> str:
     return cfg.quantize
 
 
-# A verifier's automatic batch wait: up to this share of its mean forward, at most this many ms, for rows in
-# flight or due. A verification forward costs mostly its fixed part -- the weights read once for every row
-# (on a 2-vCPU Xeon the 1.5B Qwen's price is ~500 ms a forward + ~5 ms a token) -- so a row due within half
-# a forward is cheaper to wait for than to leave for the next forward, which it would wait a whole forward
-# for; and rows verified together come back together. A drafter keeps the general default (15%, 30 ms):
-# its steps follow one another within a block, and long waits between them slow every block.
-VERIFIER_WAIT = (0.5, 250.0)
-
-
-def batch_config(cfg: ModelServerConfig, kind: str = "drafter"):
-    """The worker's BatchConfig from the server's flags (a `kind` server's automatic batch wait)."""
+def batch_config(cfg: ModelServerConfig):
+    """The worker's BatchConfig from the server's flags."""
     from crossdraft.runtime.batching import BatchConfig
 
-    share, cap = VERIFIER_WAIT if kind == "verifier" else (BatchConfig.auto_wait_share, BatchConfig.auto_wait_cap_ms)
     return BatchConfig(enabled=cfg.batching, max_rows=cfg.max_batch_rows, max_tokens=cfg.max_batch_tokens,
-                       max_wait_ms=cfg.batch_wait_ms, auto_wait_share=share, auto_wait_cap_ms=cap,
-                       prefill_chunk=cfg.prefill_chunk,
+                       max_wait_ms=cfg.batch_wait_ms, prefill_chunk=cfg.prefill_chunk,
                        kv_cache_tokens=cfg.kv_cache_tokens,
                        kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, cuda_graphs=cfg.cuda_graphs)
 
@@ -284,7 +272,7 @@ def main(kind: str, default_port: int, service_name: str, servicer, add_servicer
         print(f"{kind}: error: {e}", file=sys.stderr)
         return 2
     wcfg = WorkerConfig(max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s)
-    bcfg = batch_config(cfg, kind)
+    bcfg = batch_config(cfg)
     return serve(kind, cfg, lambda loaded: make_worker(loaded, wcfg, bcfg), lambda s: add_servicer(servicer, s),
                  service_name, servicer)
 

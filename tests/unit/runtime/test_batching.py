@@ -568,33 +568,3 @@ def test_fork_errors_name_the_field(target, tok_t):
     w.sync("b", [9, 9, 9, 9])
     shared, exp = w.fork("a", "b")
     assert exp == Expect.of([5, 6, 7]) and shared == 0  # "a" never ran a forward: nothing cached to share
-
-
-def test_the_automatic_wait_grows_with_the_forward_and_a_verifier_waits_longer_than_a_drafter():
-    """--batch-wait-ms auto: a share of the scheduler's mean forward time, bounded. A verifier's forward is
-    mostly its fixed part (the weights read once for every row), so a verifier waits longer than a drafter
-    for rows due; an explicit --batch-wait-ms is the wait of both."""
-    from types import SimpleNamespace
-
-    from crossdraft.runtime.batching import BatchScheduler
-    from crossdraft.serving import modelserver
-
-    def waits(*extra):
-        p = modelserver.argparse.ArgumentParser()
-        modelserver.add_arguments(p, 50052)
-        cfg = modelserver.config_from_args(p.parse_args(["--model", "x", *extra]))
-        out = {}
-        for kind in ("verifier", "drafter"):
-            bc = modelserver.batch_config(cfg, kind)
-            out[kind] = [BatchScheduler._max_wait_s(SimpleNamespace(cfg=bc, _forward_s=f))
-                         for f in (0.0, 0.005, 0.05, 0.4, 5.0)]
-        return out
-
-    auto = waits()
-    for kind, w in auto.items():
-        assert w == sorted(w) and w[0] > 0 and w[-1] <= 1.0, (kind, w)
-        assert w[3] > w[1]  # a CPU-sized forward waits longer than a GPU-sized one
-    assert all(v >= d for v, d in zip(auto["verifier"], auto["drafter"], strict=True))
-    assert auto["verifier"][3] > auto["drafter"][3]
-    fixed = waits("--batch-wait-ms", "40")
-    assert fixed["verifier"] == fixed["drafter"] == [0.04] * 5
