@@ -70,10 +70,6 @@ class CostModel:
         self.others: float | None = None
         self.peer_alpha: float | None = None
         self.colocated = True
-        # rows per verification forward that the drafted blocks of this session's round loop shared lately
-        # (None: unknown): sessions whose blocks end after different numbers of drafter steps reach the
-        # verifier at different times and split into several forwards, each paying the forward's fixed part
-        self.rows_drafted: float | None = None
         # pipelined rounds (crossdraft.decoding.pipeline): a block accepted whole has the next one drafted
         # during its verification -- the drafting is off the critical path, and the round's own token
         # is not taken (the ready block checks that position)
@@ -182,16 +178,6 @@ class CostModel:
             return b, b
         return b, min(b, 1.0 + max(0.0, self.others))
 
-    def vshared(self, b: float, m: float) -> float:
-        """The verification of b sessions' blocks of m tokens each, in target steps: one forward of b rows,
-        or -- where the drafted blocks of this loop have been sharing forwards of r < b rows
-        (``rows_drafted``) -- b / r forwards of r rows each."""
-        r = self.rows_drafted
-        if m <= 1 or r is None or r >= b:
-            return self.fwd(b, m)
-        r = max(1.0, r)
-        return b / r * self.fwd(r, m)
-
     def vround(self, b: float, n: float, m: float) -> float:
         """The verification of a round in which n of b sessions send blocks of m tokens (the others
         one token), in target steps: padded to one forward of b x m, or the blocks in a forward of their
@@ -239,10 +225,9 @@ class CostModel:
         sv = self.scale_v
         b, n = self.load()
         c = self.c * self.scale_d * self.steps_per_token()
-        # (b): per batch of b sessions: b * E(k) tokens for the verification of b blocks of k + 1 (one
-        # forward, or the several their blocks have been splitting into: vshared) + k drafter forwards of
-        # b rows, against b tokens for v(b) (target-only); b = 1 is one session alone
-        per = sv * self.fwd(b, 1) / (sv * self.vshared(b, k + 1) + k * c * self.dcost(b))
+        # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
+        # against b tokens for v(b) (target-only); b = 1 is one session alone
+        per = sv * self.fwd(b, 1) / (sv * self.fwd(b, k + 1) + k * c * self.dcost(b))
         if self.pipelines():
             e, per = self._pipelined(k, a, e, b, c)
         if n >= b:

@@ -60,7 +60,6 @@ class Decoder(Pipelining):
         # policy starts from it instead of from "alone" (its first rounds would price drafting
         # for an idle server)
         self._load = 1.0
-        self._rows_d: float | None = None  # rows per verification forward of the loop's drafted blocks lately
         # requests in this Decoder's round loop now (id -> request): their number is a lower bound on
         # the verifier's load that a burst of new requests sees before any of their rounds has
         # reported it (_running), and what the others do (how many draft, their acceptance) is part
@@ -557,10 +556,6 @@ class Decoder(Pipelining):
         # would price their first rounds far below the load they share)
         pol.load_at_least(self._running)
         self._load = pol.costs.batch
-        if kd > 0:  # the forwards the loop's drafted blocks share (CostModel.vshared)
-            bs = float(getattr(res, "batch_size", 1) or 1)
-            self._rows_d = bs if self._rows_d is None else 0.8 * self._rows_d + 0.2 * bs
-        pol.costs.rows_drafted = self._rows_d
         # wall-clock corrections (measured costs only). A block after skipped rounds first feeds the
         # drafter what it missed, all in its first step's forward: its other steps still time the
         # drafter (so a probe corrects a wrong cost table too)

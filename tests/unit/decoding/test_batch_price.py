@@ -137,19 +137,3 @@ def test_a_drafter_whose_batched_steps_cost_per_row_has_fewer_sessions_draft():
     before = [alone.rate(k) for k in range(1, 11)]
     alone.costs.see_price(FLAT, per_row)
     assert [alone.rate(k) for k in range(1, 11)] == pytest.approx(before)
-
-
-def test_blocks_that_split_into_small_forwards_are_priced_as_such():
-    """8 sessions drafting at 80% on a verifier whose forward is mostly its fixed part (FLAT): blocks that
-    share one forward are nearly free to verify, and everyone drafts. Blocks that have been reaching the
-    verifier in forwards of 1.5 rows (each session's block ends after its own number of drafter steps, so they
-    arrive apart) pay that fixed part five times over: drafting stops. Unknown, the blocks are priced as
-    sharing one forward; one session alone is not affected."""
-    together, split, unknown = (_policy(8, 0.8, FLAT) for _ in range(3))
-    together.costs.rows_drafted, split.costs.rows_drafted = 8.0, 1.5
-    assert together.pays() and _best_k(together) >= 3
-    assert unknown.rate(4) == together.rate(4)
-    assert not split.pays() and max(split.rate(k) for k in range(1, 11)) < 1.0
-    alone = _policy(1, 0.8, FLAT)
-    alone.costs.rows_drafted = 1.0
-    assert alone.pays() and alone.rate(4) == _policy(1, 0.8, FLAT).rate(4)
