@@ -173,6 +173,28 @@ class EndpointSliceWatcher:
         self._stop.set()
 
 
+def first_healthy(placement, kind: str, timeout_s: float, required: bool = True):
+    """A client of the first pod of `kind` that answers its health check (waits for the pool up to
+    `timeout_s`, checking at least once); after that, CrossdraftError -- or None where not `required`."""
+    from crossdraft.errors import CrossdraftError
+    from crossdraft.serving import rpc
+
+    deadline = time.time() + timeout_s
+    pool = placement.pools[kind]
+    while True:
+        for addr in pool.addresses():
+            if rpc.wait_healthy(addr, 1.0 if timeout_s > 0 else 0.2, tls=placement.client(kind, addr).tls):
+                return placement.client(kind, addr)
+        if time.time() >= deadline:
+            break
+        pool.wait_nonempty(min(1.0, max(0.0, deadline - time.time())))
+        time.sleep(0.2)
+    if not required:
+        return None
+    known = ", ".join(pool.addresses()) or "none known"
+    raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({known})")
+
+
 class Placement:
     """Chooses drafter/verifier pods per session and keeps a client per pod."""
 

@@ -270,7 +270,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
 
     from .clients import RemoteDrafter, RemoteVerifier
     from .core import Gateway
-    from .discovery import EndpointSliceWatcher, Placement, Pool
+    from .discovery import EndpointSliceWatcher, Placement, Pool, first_healthy
     from .pool import build_kinds, drafter_keys, pair_kind
     from .sessions import RedisSessionStore
 
@@ -299,7 +299,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     up = cfg.upstream_tls if cfg.upstream_tls.enabled else None
     placement = Placement(vpool, dpool, lambda a: RemoteVerifier(a, tracer, timeout_s=cfg.verifier_timeout_s, tls=up),
                           lambda a: RemoteDrafter(a, tracer, timeout_s=cfg.drafter_timeout_s, tls=up), more)
-    verifier = _first_healthy(placement, "verifier", cfg.connect_timeout_s)
+    verifier = first_healthy(placement, "verifier", cfg.connect_timeout_s)
     vinfo = verifier.info()
     t_tok = (load_tokenizer(cfg.target_tokenizer, progress=False) if cfg.target_tokenizer
              else _remote_tokenizer(verifier))
@@ -307,7 +307,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
     deadline = time.time() + cfg.drafter_start_wait_s  # (each kind waits within what is left of it)
     pairing = dict(tokenizer=lambda path, client: load_tokenizer(path, progress=False) if path
                    else _remote_tokenizer(client), check=_check_digest, make_pair=token_pair)
-    kinds, pending = build_kinds(cfg, placement, t_tok, vinfo, more, **pairing, healthy=lambda key: _first_healthy(
+    kinds, pending = build_kinds(cfg, placement, t_tok, vinfo, more, **pairing, healthy=lambda key: first_healthy(
         placement, key, max(0.0, deadline - time.time()), required=False))
     pair = kinds[0].pair if kinds else token_pair(t_tok, None, vinfo["vocab_size"], 0, draft_vocab=cfg.draft_vocab)
     store = RedisSessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s, password=cfg.redis_password,
@@ -316,7 +316,7 @@ def build_gateway(cfg: GatewayConfig, tracer=None, pools=None):
                  max_context=vinfo["max_context_tokens"], kinds=kinds, kind_keys=drafter_keys(placement))
 
     def pair_one(key):  # a kind that was not up at start, once one of its replicas answers (else None)
-        drafter = _first_healthy(placement, key, 0.0, required=False)
+        drafter = first_healthy(placement, key, 0.0, required=False)
         return None if drafter is None else pair_kind(cfg, key, drafter, t_tok, vinfo, more, **pairing)
 
     gw.pair_later(pending, pair_one)
@@ -362,27 +362,6 @@ def token_pair(t_tok, d_tok, target_vocab: int, drafter_vocab: int, **kw):
     pair = TokenPair(t_tok, d_tok, target_vocab, drafter_vocab, **kw)
     bound_caches(pair)
     return pair
-
-
-def _first_healthy(placement, kind: str, timeout_s: float, required: bool = True):
-    """A client of the first pod of `kind` that answers its health check (waits for the pool up to
-    `timeout_s`, checking at least once); after that, CrossdraftError -- or None where not `required`."""
-    from crossdraft.serving import rpc
-
-    deadline = time.time() + timeout_s
-    pool = placement.pools[kind]
-    while True:
-        for addr in pool.addresses():
-            if rpc.wait_healthy(addr, 1.0 if timeout_s > 0 else 0.2, tls=placement.client(kind, addr).tls):
-                return placement.client(kind, addr)
-        if time.time() >= deadline:
-            break
-        pool.wait_nonempty(min(1.0, max(0.0, deadline - time.time())))
-        time.sleep(0.2)
-    if not required:
-        return None
-    known = ", ".join(pool.addresses()) or "none known"
-    raise CrossdraftError(f"no {kind} became healthy within {timeout_s} s ({known})")
 
 
 def _remote_tokenizer(client):

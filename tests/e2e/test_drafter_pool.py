@@ -254,7 +254,11 @@ users: [{{name: test, user: {{token: unused}}}}]
 contexts: [{{name: fake, context: {{cluster: fake, user: test, namespace: llm}}}}]
 current-context: fake
 """)
+    from kubernetes.config import kube_config
+
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    # (the client reads $KUBECONFIG once, when first imported: possibly before this test)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     cfg = GatewayConfig(verifier=None, discovery="kubernetes", verifier_service="verifier", drafter_service="far",
                         drafter_pool_services=(("close", "close"), ("late", "late")), namespace="llm",
