@@ -101,7 +101,7 @@ class Gateway:
             self.kinds = ordered
             self.pending = {key: why for key, why in self.pending.items() if key != kind.key}
             self.has_drafter = True
-            if kind.key == (self.kind_keys[0] if self.kind_keys else kind.key):  # the first: the gateway's drafter
+            if self.first_kind() is kind:  # the gateway's drafter
                 self.drafter_model, self.drafter_revision = kind.model, kind.revision
 
     def pair_later(self, keys, pair_one, interval_s: float = 2.0) -> threading.Thread | None:
@@ -123,12 +123,12 @@ class Gateway:
             due = dict.fromkeys(keys, 0.0)
             while self.pending and not self.draining:
                 for key in list(self.pending):
-                    if time.monotonic() < due.get(key, 0.0):
+                    if time.monotonic() < due[key]:
                         continue
                     try:
                         kind = pair_one(key)
                     except Exception as e:  # e.g. its tokenizer could not be fetched: retried, later and later
-                        wait[key] = min(60.0, 2 * wait.get(key, interval_s))
+                        wait[key] = min(60.0, 2 * wait[key])
                         with self._lock:
                             self.pending = {**self.pending, key: f"{type(e).__name__}: {e}"}
                         log.warning("drafter kind %s could not be paired (again in %.0f s): %s: %s", key, wait[key],
@@ -137,12 +137,17 @@ class Gateway:
                     if kind is not None:
                         self.add_kind(kind)
                         log.info("drafter kind %s (%s) paired", kind.name, kind.model)
-                    due[key] = time.monotonic() + wait.get(key, interval_s)
+                    due[key] = time.monotonic() + wait[key]
                 time.sleep(interval_s / 4)
 
         t = threading.Thread(target=run, name="crossdraft-pairing", daemon=True)
         t.start()
         return t
+
+    def first_kind(self) -> DrafterKind | None:
+        """The gateway's first configured drafter kind (its `--drafter`; a session without a stored kind
+        drafted with it), None while it is not paired."""
+        return self.kind_of(self.kind_keys[0]) if self.kind_keys else None
 
     def kind(self, name: str | None) -> DrafterKind | None:
         """The drafter kind of that name (None: none of that name, or None asked)."""
@@ -317,7 +322,7 @@ class Gateway:
         if s is None:
             return False  # none, or another key's (which stays)
         existed = self.store.delete(s)
-        k = self.kind(s.drafter_kind) if s.drafter_kind else self.kind_of(self.kind_keys[0] if self.kind_keys else "")
+        k = self.kind(s.drafter_kind) if s.drafter_kind else self.first_kind()
         self.end_on_servers(server_session_id(s.session_id, s.owner), s.verifier_address, s.drafter_address,
                             k.key if k is not None else "drafter")
         return existed

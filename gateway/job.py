@@ -108,9 +108,7 @@ class Job:
 
     def _session_kind(self) -> str | None:
         """The placement key of the drafter kind the session's drafter ids and address belong to."""
-        gw = self.gw  # (a session without a kind drafted with the gateway's first one, which may not be paired now)
-        k = gw.kind(self.session.drafter_kind) if self.session.drafter_kind else gw.kind_of(
-            gw.kind_keys[0] if gw.kind_keys else "")
+        k = self.gw.kind(self.session.drafter_kind) if self.session.drafter_kind else self.gw.first_kind()
         return k.key if k is not None else None
 
     def _choose_replicas(self, like: Job | None, prompt=None, messages=None) -> None:
