@@ -48,6 +48,16 @@ def derive_seed(seed: int, i: int) -> int:
     return int.from_bytes(h, "little") & (2**63 - 1)
 
 
+def _after(head, events):
+    """`head`, then the rest of `events` (closed however this generator ends)."""
+    try:
+        if head is not None:
+            yield head
+        yield from events
+    finally:
+        events.close()
+
+
 def _readiness(g) -> tuple[bool, dict]:
     """(ready, details) for /readyz: the gateway's latest readiness check (a fresh one if it is older
     than READY_MAX_AGE_S) with Redis asked now. A Redis that answers now but did not at that
@@ -166,6 +176,30 @@ class RestApi:
         include_usage = bool((extra.get("stream_options") or {}).get("include_usage"))
         return Completions(jobs, n), bool(extra.get("stream")), include_usage
 
+    async def _stream(self, g, request: Request, jobs: Completions, events):
+        """The streamed response, begun once its first chunk is ready: a request that fails before then
+        (no verifier, no KV memory, ...) answers with its HTTP status (and Retry-After), as unstreamed
+        requests do, rather than 200 and an error event. A client that leaves meanwhile cancels the jobs."""
+        limiter = self.generation_limiter(g)
+
+        async def watch_disconnect():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            jobs.cancel()
+
+        head = failed = None
+        async with anyio.create_task_group() as tg:  # errors caught inside: a task group would wrap them
+            tg.start_soon(watch_disconnect)
+            try:
+                head = await anyio.to_thread.run_sync(next, events, None, limiter=limiter)
+            except Exception as e:  # raised by sse_events only before its first chunk; it has closed the jobs
+                failed = e
+            tg.cancel_scope.cancel()
+        if failed is not None:
+            return error_response(failed)
+        return ClosingStreamingResponse(_after(head, events), limiter=limiter, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def _generate(self, request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         span = self.tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER)
@@ -185,10 +219,8 @@ class RestApi:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return ClosingStreamingResponse(sse_events(jobs, ctx, span, rid, created, g.model_name, chat, include_usage,
-                                                 g.pair), limiter=self.generation_limiter(g),
-                                            media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._stream(g, request, jobs, sse_events(jobs, ctx, span, rid, created, g.model_name, chat,
+                                                                   include_usage, g.pair))
 
         outs: list[dict] = [{} for _ in jobs.jobs]
 

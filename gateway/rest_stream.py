@@ -4,6 +4,7 @@ as server-sent events in OpenAI's chunk shapes, and a streaming response that cl
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -110,15 +111,19 @@ def sse_events(jobs: Completions, ctx, span, rid: str, created: int, model: str,
     # held here (not only by the loop), so that when the client goes away the jobs are marked
     # cancelled before their generators are closed
     events = merged_events(jobs, ctx)
+    sent = False  # an error before anything is sent is raised, to answer with its HTTP status
     try:
+        head = list(itertools.islice(events, 1))  # the first round runs before the first byte goes out
         first = [True] * n
         echo = getattr(jobs.jobs[0], "echo", "")
         if echo:
             for i in range(n):
+                sent = True
                 yield chunk(echo, first=True, index=i)
                 first[i] = False
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for i, ev in events:
+        for i, ev in itertools.chain(head, events):
+            sent = True
             if ev["type"] == "delta":
                 # a delta with tokens but no text yet (held back, or part of a character) still
                 # goes out when its tokens' log-probabilities were asked for
@@ -140,6 +145,9 @@ def sse_events(jobs: Completions, ctx, span, rid: str, created: int, model: str,
         jobs.cancel()
         raise
     except Exception as e:
+        if not sent:
+            span.record_exception(e)
+            raise
         err = json.loads(error_response(e).body)
         yield f"data: {json.dumps(err)}\n\n"
     finally:

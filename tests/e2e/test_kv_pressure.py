@@ -1,6 +1,6 @@
 """A verifier whose KV pool is too small for its concurrent users, as real processes: the request
 that cannot get memory beside busy sessions gets HTTP 429 with Retry-After (the model server's
-RESOURCE_EXHAUSTED), the server stays healthy, and retried alone the request gets the output it
+RESOURCE_EXHAUSTED), streamed or not, the server stays healthy, and retried alone the request gets the output it
 gets from the in-process engine. Tiny random-init models; the pool holds 6 blocks of 16 tokens, and
 each prompt needs 4, so two prefills that meet in one batched forward (a long batch wait makes them
 meet) cannot both be served."""
@@ -40,21 +40,25 @@ def small_pool(tiny_dirs, tmp_path_factory):
         redis.stop()
 
 
-def _complete(http, prompt):
-    return requests.post(http + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
-                         timeout=120)
+def _complete(http, prompt, stream=False):
+    return requests.post(http + "/v1/completions",
+                         json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": stream}, timeout=120)
 
 
 def test_full_pool_answers_429_with_retry_after_then_serves(small_pool, engine):
     http = small_pool
     prompts = [PROMPT, PROMPT.replace("one", "zero")]
-    with ThreadPoolExecutor(2) as ex:
-        rs = list(ex.map(lambda p: _complete(http, p), prompts))
-    codes = sorted(r.status_code for r in rs)
-    assert codes == [200, 429], [r.text for r in rs]
-    refused = next(r for r in rs if r.status_code == 429)
-    assert refused.headers["Retry-After"] == "1"
-    assert "kv cache full" in refused.json()["error"]["message"]
+    for stream in (False, True):
+        # streamed, the refusal comes before the stream begins: the same HTTP status, not 200 + an error event
+        with ThreadPoolExecutor(2) as ex:
+            rs = list(ex.map(lambda p, s=stream: _complete(http, p, s), prompts))
+        codes = sorted(r.status_code for r in rs)
+        assert codes == [200, 429], [r.text for r in rs]
+        refused = next(r for r in rs if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "1"
+        assert "kv cache full" in refused.json()["error"]["message"]
+        served = next(r for r in rs if r.status_code == 200)
+        assert served.text.rstrip().endswith("data: [DONE]") == stream and '"error"' not in served.text
     assert requests.get(http + "/healthz", timeout=5).status_code == 200
     # retried alone: the idle session is evicted to make room, and the output is the usual one
     for p in prompts:
