@@ -4,8 +4,9 @@ One stack, side by side on the same machine and prompts, through REST, greedy, o
 (``--target``), one drafter service per kind (``--drafters``, in the pool's order: the cheapest first),
 a gateway per kind alone (``--drafter <kind>``) and a gateway with the pool (``--drafter <first>
 --drafter-pool NAME=...`` for the others); target-only is ``use_drafter=false``. Each request is a
-one-off (no session): the pool chooses from the prompt's spelling and the request's own rounds, with no
-earlier turn to learn from -- its hardest case. Prompt classes: English code, English prose, Chinese.
+one-off (no session): the pool chooses from the prompt's spelling, what the gateway's earlier requests of
+the prompt's class measured (its priors), and the request's own rounds, with no earlier turn to learn from.
+Prompt classes: English code, English prose, Chinese.
 The modes run in rotating order per repeat, so a slow drift of the machine hits all alike.
 
 Per class and over the mixed workload: tokens/s of each mode (completion tokens over the requests'
@@ -107,10 +108,14 @@ def summarize(rows: list[dict], kinds: list[str]) -> dict:
         for r in pool_rows:
             key = r["drafter"] if r["drafted"] or r["choice"] != "none" else "none"
             ended[key] = ended.get(key, 0) + 1
+        choices = {}  # the requests' last choice: start / prior (stayed where they began), explore, exploit, none
+        for r in pool_rows:
+            choices[r["choice"]] = choices.get(r["choice"], 0) + 1
         out[cls] = {"tok_s": tps, "best_single": best, "pool_vs_best_single": round(tps["pool"] / tps[best], 3),
                     "best_drafter": best_drafter,
                     "pool_vs_best_drafter": round(tps["pool"] / tps[best_drafter], 3),
                     "pool_vs_target_only": round(tps["pool"] / tps["target-only"], 3), "pool_ended_on": ended,
+                    "pool_choices": choices,
                     "pool_switches": sum(r["switches"] for r in pool_rows), "requests": len(pool_rows)}
     return out
 

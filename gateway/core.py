@@ -24,7 +24,7 @@ from .config import GatewayConfig
 from .discovery import colocated
 from .job import Job
 from .metrics import Metrics
-from .pool import DrafterKind, kind_name
+from .pool import DrafterKind, PoolPriors, kind_name
 from .sessions import RedisSessionStore, Session, server_session_id
 from .validation import check_input, validate_options
 
@@ -83,6 +83,7 @@ class Gateway:
         self.pending: dict[str, str] = {}
         self.watchers: list = []  # kubernetes discovery's EndpointSlice watches (gateway.server.build_gateway)
         self.kinds: dict[str, DrafterKind] = {}
+        self.pool_priors = PoolPriors()  # what each kind was worth for each class of prompt (new sessions start there)
         self._by_key: dict[str, DrafterKind] = {}
         self.has_drafter = False
         for k in kinds:

@@ -26,7 +26,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from .metrics import add_stats, stats_dict
-from .pool import PoolChoice, prior_order
+from .pool import PoolChoice, prior_order, text_class
 from .sessions import Session, server_session_id
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Job:
         self.sid = None
         self.d_key, self.d_kind = "drafter", None  # the drafter kind (placement key, DrafterKind) the job drafts with
         self.pool: PoolChoice | None = None  # the choice among a pool of drafter kinds (two or more)
+        self._text_class = ""  # a new session's prompt class: what its pool measurements teach (PoolPriors)
         self._abandoned: list[tuple[str, str]] = []  # (key, address) of drafters the job moved away from
         self._settings(opts)
         self.kind = self._kind(messages)
@@ -131,16 +132,20 @@ class Job:
             names = [like.d_kind.name] + [n for n in names if n != like.d_kind.name]
         if len(kinds) > 1:
             text = prompt if prompt else " ".join(str(m.get("content", "")) for m in (messages or [])[-2:])
-            if like is None and not (self.session is not None and self.session.pool):
-                names = prior_order(kinds, text or "")
-            self.pool = PoolChoice(names, self.session.pool if self.session is not None else None, self._switch,
-                                   gw.metrics)
+            own = self.session.pool if self.session is not None else None
+            prior = None
+            if not own:  # a new session: the prompt's spelling orders the kinds; similar requests' measurements first
+                self._text_class = text_class(text or "")
+                prior = gw.pool_priors.seed(self._text_class)
+                if like is None:
+                    names = prior_order(kinds, text or "")
+            self.pool = PoolChoice(names, own, self._switch, gw.metrics, prior=prior)
             if like is None:
                 names = self.pool.first()
         for name in names:
             if self._take(gw.kinds[name], self._recorded(like, gw.kinds[name].key)):
                 if self.pool is not None:
-                    self.pool.started(name)
+                    self.pool.started(name, "prior" if self.pool.prior else "start")
                 return
             if self.pool is not None:
                 self.pool.down.add(name)
@@ -412,6 +417,8 @@ class Job:
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             if self.session is not None:
                 self._commit(res, st)
+            if self.pool is not None and self._text_class:
+                gw.pool_priors.learn(self._text_class, self.pool.learned())
             status = "ok"
             done = {"type": "done", "session_id": self.session.session_id if self.session else "",
                     "finish_reason": res.stats.finish_reason, "text": res.text,

@@ -59,7 +59,8 @@ class Metrics:
         # a pool of drafter kinds (gateway/pool.py): each request's choices of kind, and each kind's drafts
         self.pool_choices = Counter("crossdraft_drafter_choices_total",
                                     "Drafter kinds chosen for requests, by kind and outcome: start (a request's first "
-                                    "kind), explore (a kind not yet measured, tried), exploit (a measured kind worth "
+                                    "kind), prior (a new session's first kind, the best for similar requests), "
+                                    "explore (a kind not yet measured, tried), exploit (a measured kind worth "
                                     "more), failover (the kind's drafter failed), none (no kind pays: target-only "
                                     "rounds with rare probes)", ["drafter", "outcome"], registry=r)
         self.kind_tokens = Counter("crossdraft_drafter_tokens_total",

@@ -18,6 +18,7 @@ changes the text: the target decides every token."""
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}\Z")
@@ -35,6 +36,15 @@ DECAY = 0.85  # acceptance counts forget like the policy's (crossdraft.decoding.
 # the prior: a tokenizer spelling the prompt in at least this share of the best one's bytes per token is as fluent
 # in its script as the best one
 FLUENT = 0.85
+# What similar requests found (PoolPriors): a new session starts from the estimates of the requests before it
+# in its prompt's class, each counted as PRIOR_WEIGHT trials of the session's own (its rounds soon outweigh
+# them); a request's measurement moves a class's estimate LEARN of the way; a kind no request of the class has
+# measured in STALE requests is dropped from the class's estimates, so that it is explored again.
+PRIOR_WEIGHT = 2.0
+LEARN = 0.5
+STALE = 8
+CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+CODE_CHARS = frozenset("{}[]()<>=;_#|\\")
 
 
 def check_name(name: str, field: str = "drafter_pool") -> str:
@@ -113,15 +123,83 @@ def prior_order(kinds: list[DrafterKind], text: str, sample_chars: int = 2000) -
     return fluent + rest
 
 
+def text_class(text: str, sample_chars: int = 2000) -> str:
+    """A prompt's class for the pool's priors: its script ("cjk" where a fifth of its letters are Chinese,
+    Japanese or Korean, else "latin" or "other") and its shape ("code" where brackets, operators, underscores
+    and indented lines are frequent, else "prose"), e.g. "latin/code". A key for what similar requests
+    measured, not a judgement: each request's own rounds decide."""
+    sample = text[-sample_chars:]
+    letters = [c for c in sample if c.isalpha()]
+    if not letters:
+        script = "other"
+    elif len(CJK_RE.findall(sample)) >= 0.2 * len(letters):
+        script = "cjk"
+    else:
+        script = "latin" if sum(c.isascii() for c in letters) >= 0.8 * len(letters) else "other"
+    visible = sum(not c.isspace() for c in sample)
+    lines = sample.split("\n")
+    marks = sum(c in CODE_CHARS for c in sample) + 4 * sum(ln.startswith(("  ", "\t")) and ln.strip() != ""
+                                                          for ln in lines)
+    shape = "code" if marks >= max(3.0, 0.04 * visible) else "prose"
+    return f"{script}/{shape}"
+
+
+class PoolPriors:
+    """The gateway's memory of what each drafter kind was worth for each class of prompt (text_class), learned
+    from the requests' own measurements: a new session starts on the kind that served its class best and
+    explores only kinds its class has not measured lately, instead of measuring every kind again from scratch.
+    Shared by the gateway's requests (thread-safe); each gateway learns its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cls: dict[str, dict[str, dict]] = {}  # class -> kind -> {"v", "a", "age"}
+
+    def seed(self, cls: str) -> dict:
+        """Estimates in PoolChoice's form for a new session of class `cls` ({} when nothing is known)."""
+        with self._lock:
+            known = dict(self._cls.get(cls, {}))
+        return {n: {"s": p["a"] * PRIOR_WEIGHT, "t": PRIOR_WEIGHT, "n": EXPLORE_ROUNDS, "v": p["v"]}
+                for n, p in known.items()}
+
+    def learn(self, cls: str, measured: dict) -> None:
+        """A request of class `cls` finished with `measured` ({kind: estimate}, only the kinds its own rounds
+        measured): move the class's estimates toward them; kinds it did not measure age."""
+        if not measured:
+            return
+        with self._lock:
+            kinds = self._cls.setdefault(cls, {})
+            for name in list(kinds):
+                if name not in measured:
+                    kinds[name]["age"] += 1
+                    if kinds[name]["age"] >= STALE:
+                        del kinds[name]
+            for name, e in measured.items():
+                a = e["s"] / e["t"] if e.get("t", 0) > 0 else 0.0
+                p = kinds.get(name)
+                if p is None:
+                    kinds[name] = {"v": float(e["v"]), "a": a, "age": 0}
+                else:
+                    p["v"] += LEARN * (float(e["v"]) - p["v"])
+                    p["a"] += LEARN * (a - p["a"])
+                    p["age"] = 0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {c: {n: dict(p) for n, p in kinds.items()} for c, kinds in self._cls.items()}
+
+
 class PoolChoice:
     """One request's choice of drafter kind. ``estimates``: {kind: {"s": accepted, "t": trials (decayed
     counts, as the policy's acceptance model), "n": rounds that drafted, "v": the kind's value the last
     time it was measured}} carried over from the session's earlier turns. ``switch(name)`` returns the
     Decoder of kind `name` for this request (None: no ready replica of it)."""
 
-    def __init__(self, order: list[str], estimates: dict | None, switch, metrics=None):
+    def __init__(self, order: list[str], estimates: dict | None, switch, metrics=None, prior: dict | None = None):
         self.order = list(order)
-        self.est = {name: dict(e) for name, e in (estimates or {}).items() if name in self.order}
+        # the session's own estimates; a new session's come from similar requests (PoolPriors.seed)
+        self.prior = not estimates and bool(prior)
+        self.est = {name: dict(e) for name, e in (estimates or prior or {}).items() if name in self.order}
+        self.here: dict[str, int] = {}  # rounds that measured each kind in this request
         self.switch = switch
         self.metrics = metrics
         self.current: str | None = None
@@ -163,8 +241,12 @@ class PoolChoice:
         cur = self.current
         if cur is None:
             return None
+        if not req.stats.drafter_choice:  # (how the request came to its first kind: start or prior)
+            req.stats.drafter_choice = self.reason
         self.since += 1
         e = self.est.setdefault(cur, {"s": 0.0, "t": 0.0, "n": 0, "v": 1.0})
+        if ev.drafted > 0 or (req.spec and ev.skip_reason in ("acceptance", "drafter busy")):
+            self.here[cur] = self.here.get(cur, 0) + 1
         if ev.drafted > 0:
             e["s"] = DECAY * e["s"] + ev.accepted
             e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
@@ -209,6 +291,10 @@ class PoolChoice:
             req.stats.drafter_choice = reason
             return dec
         return None
+
+    def learned(self) -> dict:
+        """The estimates of the kinds this request's own rounds measured (what PoolPriors learns from)."""
+        return {n: dict(self.est[n]) for n, r in self.here.items() if r >= EXPLORE_ROUNDS and n in self.est}
 
     def snapshot(self) -> dict:
         """The estimates to keep with the session (rounded: a session document stays small)."""

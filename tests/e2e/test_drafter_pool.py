@@ -104,18 +104,22 @@ def test_grpc_greedy_with_the_pool_gives_the_target_only_ids(pool):
     assert got.token_ids == ref.token_ids and got.stats["drafter"]
 
 
-def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_it(pool, reference):
-    """Turn 1 ends on "close" -- started on "far" (first in the gateway's order), it explores "close";
-    started on "close" (the prior: its tokenizer spells the prompt more compactly), it explores "far"
-    too when its fixed blocks do not pay at static costs, and comes back -- and the session stores the
-    kind and its estimates; turn 2 starts on "close" and stays there."""
+def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_it(pool):
+    """Turn 1, the first request of its prompt's class (Cyrillic prose: no earlier test sent one), ends on
+    "close" -- started on "far" (first in the gateway's order), it explores "close"; started on "close" (its
+    tokenizer spells the prompt more compactly), it explores "far" too when its fixed blocks do not pay at
+    static costs, and comes back -- and the session stores the kind and its estimates; turn 2 starts on
+    "close" and stays there. A new request of the same class then starts on "close" from what turn 1
+    measured (the gateway's priors), without exploring."""
     http = pool["http"]
+    prompt = "Привет, мир! Как дела сегодня"
+    ref = complete(http, {"prompt": prompt, "max_tokens": N_NEW, "use_drafter": False})["choices"][0]["text"]
     before = choices_of(http, "close")
     sid = requests.post(http + "/v1/sessions", json={"max_tokens": N_NEW, **FIXED}, timeout=30).json()["session_id"]
     try:
-        one = complete(http, {"prompt": PROMPTS[1], "session_id": sid})
+        one = complete(http, {"prompt": prompt, "session_id": sid})
         s1 = one["speculative"]
-        assert one["choices"][0]["text"] == reference[PROMPTS[1]]["choices"][0]["text"]
+        assert one["choices"][0]["text"] == ref
         assert s1["drafter"] == "close" and s1["drafter_switches"] >= 1, s1
         assert s1["drafter_choice"] in ("explore", "exploit"), s1
         assert s1["accepted"] > 0
@@ -128,6 +132,12 @@ def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_i
     finally:
         requests.delete(f"{http}/v1/sessions/{sid}", timeout=30)
     assert choices_of(http, "close") >= before + 2  # (turn 1 moved to it or started on it; turn 2 started on it)
+    primed = metric_value(http, "crossdraft_drafter_choices_total", '{drafter="close",outcome="prior"}')
+    again = complete(http, {"prompt": prompt, "max_tokens": N_NEW, **FIXED})
+    assert again["choices"][0]["text"] == ref
+    s3 = again["speculative"]
+    assert s3["drafter"] == "close" and s3["drafter_switches"] == 0 and s3["drafter_choice"] == "prior", s3
+    assert metric_value(http, "crossdraft_drafter_choices_total", '{drafter="close",outcome="prior"}') == primed + 1
     assert metric_value(http, "crossdraft_drafter_tokens_total", '{drafter="close",outcome="accepted"}') > 0
 
 
@@ -316,4 +326,4 @@ def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):
 def choices_of(http: str, kind: str) -> float:
     """crossdraft_drafter_choices_total of `kind`, over the outcomes that put a request on it."""
     return sum(metric_value(http, "crossdraft_drafter_choices_total", f'{{drafter="{kind}",outcome="{o}"}}')
-               for o in ("start", "explore", "exploit", "failover"))
+               for o in ("start", "prior", "explore", "exploit", "failover"))

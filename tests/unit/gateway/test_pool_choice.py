@@ -116,6 +116,66 @@ def test_a_new_turn_starts_on_the_best_measured_kind_and_explores_unmeasured_one
     assert P.PoolChoice(["new"], est, None).first() == ["new"]
 
 
+def request_of(priors, cls, order, values, rounds=12):
+    """One new session of class `cls` through the chooser with the gateway's priors (PoolPriors): each round
+    drafts 4 and accepts per the kind's value; returns (the kinds its rounds ran on, the moves)."""
+    moves = []
+    pc = P.PoolChoice(order, None, lambda n: moves.append(n) or f"decoder-{n}", prior=priors.seed(cls))
+    pc.started(pc.first()[0], "prior" if pc.prior else "start")
+    req = Req()
+    seen = drive(pc, req, [(4, 4 if values[pc.current] > 1.5 else 1)] * rounds, value_of=values)
+    priors.learn(cls, pc.learned())
+    return seen, moves
+
+
+def test_similar_requests_start_on_the_kind_their_class_measured_best_without_exploring():
+    priors = P.PoolPriors()
+    code = {"tiny": 1.3, "family": 2.2}  # where the second kind is best, the first request explores to find it
+    seen, moves = request_of(priors, "latin/code", ["tiny", "family"], code)
+    assert seen[0] == "tiny" and moves == ["family"]
+    for _ in range(3):  # the next ones of the class start there and stay
+        seen, moves = request_of(priors, "latin/code", ["tiny", "family"], code)
+        assert set(seen) == {"family"} and moves == []
+    # another class learns apart: its first request starts from the prompt's spelling, as before
+    seen, moves = request_of(priors, "latin/prose", ["tiny", "family"], {"tiny": 1.3, "family": 1.1})
+    assert seen[0] == "tiny"
+    assert set(priors.snapshot()) == {"latin/code", "latin/prose"}
+
+
+def test_a_session_whose_own_rounds_contradict_its_class_leaves_the_kind_the_prior_chose():
+    priors = P.PoolPriors()
+    request_of(priors, "latin/code", ["tiny", "family"], {"tiny": 1.3, "family": 2.2})
+    # this session's text suits the tiny kind: its rounds on "family" measure less than the class's tiny
+    seen, moves = request_of(priors, "latin/code", ["tiny", "family"], {"tiny": 2.0, "family": 1.05})
+    assert seen[0] == "family" and seen[-1] == "tiny" and moves == ["tiny"]
+
+
+def test_a_kind_its_class_stopped_measuring_is_explored_again():
+    priors = P.PoolPriors()
+    values = {"tiny": 1.3, "family": 2.2}
+    request_of(priors, "latin/code", ["tiny", "family"], values)
+    # "family" keeps winning, so later requests never measure "tiny": its estimate grows stale and is dropped,
+    # after which a request that finds "family" poor explores "tiny" instead of trusting an old number
+    for _ in range(40):
+        if "tiny" not in priors.snapshot()["latin/code"]:
+            break
+        request_of(priors, "latin/code", ["tiny", "family"], values)
+    else:
+        pytest.fail("the unmeasured kind's estimate never expired")
+    seen, moves = request_of(priors, "latin/code", ["tiny", "family"], {"tiny": 1.3, "family": 1.0})
+    assert seen[0] == "family" and moves == ["tiny"]
+
+
+def test_prompt_classes_tell_script_and_shape():
+    code = "def merge(a: list[int], b: list[int]) -> list[int]:\n    out = []\n    while a and b:\n"
+    assert P.text_class(code) == "latin/code"
+    assert P.text_class("Write a short paragraph explaining why the sky is blue (in two sentences).") == "latin/prose"
+    assert P.text_class("请用中文写一段话，介绍一下长城的历史。") == "cjk/prose"
+    assert P.text_class("下面是一个函数：\ndef f(x):\n    return [x[i] for i in range(len(x))]  # 中文注释和代码") \
+        .endswith("/code")
+    assert P.text_class("Привет, как дела?") == "other/prose" and P.text_class("") == "other/prose"
+
+
 class Tok:
     """A tokenizer that spells `known` characters one id each and any other character byte by byte."""
 
