@@ -63,13 +63,13 @@ def start(s: Services, a, target: str) -> dict:
         _, addr = s.drafter(model, extra=extra)
         names.append(kind_name(model))
         addrs.append(addr)
-    s.ready()
+    s.ready(timeout=900)
     modes = {}
     for name, addr in zip(names, addrs, strict=True):
         _, modes[name], _ = s.gateway(vaddr, addr, drafter_timeout_s=120)
     pool = [x for n, addr in zip(names[1:], addrs[1:], strict=True) for x in ("--drafter-pool", f"{n}={addr}")]
     _, modes["pool"], _ = s.gateway(vaddr, addrs[0], drafter_timeout_s=120, extra=pool)
-    s.ready()
+    s.ready(timeout=900)
     out = {"target-only": (modes["pool"], False)}
     out.update({m: (url, True) for m, url in modes.items()})
     return out

@@ -196,12 +196,13 @@ class Services:
         self._waits.append((wait_http_ready, http, p))
         return p, http, grpc_addr
 
-    def ready(self) -> None:
+    def ready(self, timeout: float = 120) -> None:
         """Wait until every process added since the last call serves (gRPC health SERVING for model
-        servers, /readyz 200 for gateways; the waits' bounds are liveness bounds)."""
+        servers, /readyz 200 for gateways; the waits' bounds, `timeout` seconds each, are liveness bounds:
+        benchmarks loading several fp32 models on two cores pass more)."""
         waits, self._waits = self._waits, []
         for wait, target, p in waits:
-            wait(target, p)
+            wait(target, p, timeout=timeout)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
