@@ -56,12 +56,13 @@ class Gateway:
         # drafter replica and kind): whether drafting pays is a question of the verifier's whole load
         self._gates: dict[str, LoadGate] = {}
         self.metrics.watch_gates(lambda: dict(self._gates))
-        self._lock = threading.Lock()  # the decoders (decoder() holds it over a replica's first info call)
+        self._lock = threading.Lock()  # the decoders and gates (held over no remote call)
+        self._making: dict[tuple, threading.Lock] = {}  # pairs whose first Decoder is being built: one builder each
         # the latest readiness check, (checked, ok, details, stale_since), stale_since = since which
         # check every verifier has served another revision (None: not so). readiness() builds a new
         # tuple and publishes it with one assignment; readers take the reference without a lock, so
-        # the liveness probe (stale_pairing) never waits on _lock, which decoder() holds over a remote
-        # call. _publish orders the publications and is held over no remote call.
+        # the liveness probe (stale_pairing) never waits on a readiness check's remote calls. _publish
+        # orders the publications and is held over no remote call.
         self._ready_cache: tuple | None = None
         self._publish = threading.Lock()
         self.draining = False  # SIGTERM: not ready, no new generations; in-flight ones finish
@@ -186,27 +187,45 @@ class Gateway:
     def decoder(self, v_addr: str, d_addr: str | None, kind: str = "drafter") -> Decoder:
         """One Decoder per (verifier pod, drafter pod): it remembers which masks that drafter has.
         kind: the drafter's placement kind ("drafter:NAME" for a pool's later kinds), whose pairing
-        with the target the Decoder speaks."""
+        with the target the Decoder speaks.
+
+        A pair's first Decoder asks its servers for their info (remote calls, as slow as the server is):
+        that happens outside the gateway's lock, so requests to other replicas never wait on a slow one;
+        one thread builds each pair's Decoder, the others asking for it meanwhile wait for that one."""
         key = (v_addr, d_addr, kind if d_addr else "")
         with self._lock:
             dec = self._decoders.get(key)
-            if dec is None:
-                why = self.revision_conflict("verifier", v_addr)
-                if why:
-                    raise Unavailable(why)
-                v = self.placement.client("verifier", v_addr)
-                d = self.placement.client(kind, d_addr) if d_addr else None
-                k = self.kind_of(kind) if d_addr else None
-                co = colocated(self.cfg.colocated, v_addr, d_addr, self.placement.info, kind)
-                dec = self._decoders[key] = Decoder(k.pair if k is not None else self.pair, v, d, eos_ids=self.eos_ids,
-                                                    max_context=self.max_context, check_context=True,
-                                                    drafter_timeout_s=self.cfg.drafter_timeout_s,
-                                                    round_log=self.cfg.round_log, colocated=co,
-                                                    pipeline=pipeline_on(self.cfg.pipeline, co),
-                                                    name=k.name if k is not None else "",
-                                                    gate=self._gates.setdefault(
-                                                        v_addr, LoadGate(enabled=self.cfg.load_gate != "off")))
-            return dec
+            if dec is not None:
+                return dec
+            making = self._making.setdefault(key, threading.Lock())
+        try:
+            with making:
+                with self._lock:
+                    dec = self._decoders.get(key)
+                if dec is None:
+                    built = self._new_decoder(v_addr, d_addr, kind)
+                    with self._lock:
+                        dec = self._decoders.setdefault(key, built)
+                return dec
+        finally:
+            with self._lock:
+                if self._making.get(key) is making and not making.locked():
+                    del self._making[key]
+
+    def _new_decoder(self, v_addr: str, d_addr: str | None, kind: str) -> Decoder:
+        why = self.revision_conflict("verifier", v_addr)
+        if why:
+            raise Unavailable(why)
+        v = self.placement.client("verifier", v_addr)
+        d = self.placement.client(kind, d_addr) if d_addr else None
+        k = self.kind_of(kind) if d_addr else None
+        co = colocated(self.cfg.colocated, v_addr, d_addr, self.placement.info, kind)
+        with self._lock:
+            gate = self._gates.setdefault(v_addr, LoadGate(enabled=self.cfg.load_gate != "off"))
+        return Decoder(k.pair if k is not None else self.pair, v, d, eos_ids=self.eos_ids,
+                       max_context=self.max_context, check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
+                       round_log=self.cfg.round_log, colocated=co, pipeline=pipeline_on(self.cfg.pipeline, co),
+                       name=k.name if k is not None else "", gate=gate)
 
     # ---- readiness ---------------------------------------------------------------------------
     def readiness(self, max_age_s: float = 1.0) -> tuple[bool, dict]:

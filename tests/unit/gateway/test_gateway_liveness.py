@@ -1,8 +1,8 @@
-"""The gateway's liveness probe (/healthz, Gateway.stale_pairing) answers while decoder() waits on a
-model server: decoder() holds the gateway's lock over a replica's first info call (a remote call
-that takes as long as a slow server does), and the probe reads what the readiness check
-published without that lock. Real gRPC verifier servers in this process; the one a decoder is
-paired with holds its info call until the test releases it."""
+"""The gateway's liveness probe (/healthz, Gateway.stale_pairing) and requests to other replicas answer
+while decoder() waits on a model server: a replica's first Decoder asks it for its info (a remote call
+that takes as long as a slow server does) outside the gateway's lock, and the probe reads what the
+readiness check published without a lock. Real gRPC verifier servers in this process; the one a
+decoder is paired with holds its info call until the test releases it."""
 
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def _serve(servicer: _Verifier):
 
 
 def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
-    a, slow = _Verifier("r1"), _Verifier("r1", hold=True)
-    (sa, addr_a), (sb, addr_b) = _serve(a), _serve(slow)
+    a, slow, other = _Verifier("r1"), _Verifier("r1", hold=True), _Verifier("r1")
+    (sa, addr_a), (sb, addr_b), (sc, addr_c) = _serve(a), _serve(slow), _serve(other)
     placement = Placement(Pool("verifier", [addr_a]), None, RemoteVerifier, None)
-    decoding = None
+    decoding = same = None
+    got = {}
     try:
         # a pair without a drafter; a Redis that answers (readiness pings it)
         gw = Gateway(GatewayConfig(verifier=addr_a, redis_url="redis://unused", stale_pairing_restart_s=1e-6),
@@ -66,10 +67,18 @@ def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
         a.revision = "r2"
         assert not gw.readiness(max_age_s=0)[0] and not gw.readiness(max_age_s=0)[0]
 
-        # a request paired with the slow replica: decoder() asks it for its info, under the lock
-        decoding = threading.Thread(target=gw.decoder, args=(addr_b, None), daemon=True)
+        # a request paired with the slow replica: decoder() asks it for its info; a second request for the
+        # same pair waits for that Decoder rather than building its own
+        decoding = threading.Thread(target=lambda: got.setdefault("first", gw.decoder(addr_b, None)), daemon=True)
         decoding.start()
         assert slow.entered.wait(GUARD_S)
+        same = threading.Thread(target=lambda: got.setdefault("second", gw.decoder(addr_b, None)), daemon=True)
+        same.start()
+        # a request to another replica does not wait for it
+        elsewhere = threading.Thread(target=lambda: got.setdefault("other", gw.decoder(addr_c, None)), daemon=True)
+        elsewhere.start()
+        elsewhere.join(GUARD_S)
+        assert not elsewhere.is_alive() and got["other"] is gw.decoder(addr_c, None)
 
         answers = {}
 
@@ -83,23 +92,25 @@ def test_liveness_answers_while_a_decoder_waits_on_a_servers_first_info_call():
         prober.start()
         prober.join(GUARD_S)
         # the probes returned while the info call is provably still held: the server has not been
-        # released, the decoder is still inside decoder(), holding the gateway's lock
+        # released, both requests for the slow pair are still inside decoder()
         assert not prober.is_alive(), "the liveness probe waited on decoder()'s remote info call"
-        assert not slow.release.is_set() and decoding.is_alive() and gw._lock.locked()
+        assert not slow.release.is_set() and decoding.is_alive() and same.is_alive()
         status, body = answers["healthz"]
         assert status == 503 and body["status"] == "stale pairing", body
         assert "revision r2" in body["reason"] and "revision r1" in body["reason"], body
         assert answers["stale"] == body["reason"] and answers["ready"] is False
     finally:
         slow.release.set()
-        if decoding is not None:
-            decoding.join(GUARD_S)
+        for t in (decoding, same):
+            if t is not None:
+                t.join(GUARD_S)
         for c in list(placement.clients.values()):
             c.close()
-        sa.stop(None)
-        sb.stop(None)
-    # released, the decoder pairs the slow replica (same model, same revision as paired)
-    assert not decoding.is_alive() and (addr_b, None, "") in gw._decoders
+        for srv in (sa, sb, sc):
+            srv.stop(None)
+    # released, the decoder pairs the slow replica (same model, same revision as paired), one Decoder for both
+    assert not decoding.is_alive() and not same.is_alive()
+    assert got["first"] is got["second"] is gw._decoders[(addr_b, None, "")]
 
 
 def test_one_load_gate_per_verifier_replica_and_load_gate_off():
