@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import numpy as np
 
@@ -140,11 +140,13 @@ class Decoder(Pipelining):
             kw["drop_last"] = True
         try:
             return self.verifier.verify(req.sid, self._expect(req.t_ids), *args, **kw)
-        except (NotFound, FailedPrecondition):
-            # the verifier lost or diverged from the session (or cannot drop a token): rebuild
-            kw.pop("drop_last", None)
+        except (NotFound, FailedPrecondition):  # the verifier lost or diverged from the session (or cannot drop
+            kw.pop("drop_last", None)  # a token): rebuild it -- again if a full KV pool evicts it before the verify
+        for _ in range(3):
             self.verifier.sync(req.sid, req.t_ids)
-            return self.verifier.verify(req.sid, self._expect(req.t_ids), *args, **kw)
+            with suppress(NotFound):
+                return self.verifier.verify(req.sid, self._expect(req.t_ids), *args, **kw)
+        raise ResourceExhausted("kv cache full: the session was evicted between its sync and its verification")
 
     def _draft(self, req: Request, k: int, round_index: int, stop_cumulative: float, heal: bool):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""

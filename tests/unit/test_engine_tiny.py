@@ -8,6 +8,8 @@ q into target ids, rejection into tokens outside the intersection and drafter re
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 from crossdraft.decoding import sampling as S
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
-from crossdraft.errors import InvalidArgument
+from crossdraft.errors import InvalidArgument, ResourceExhausted
 from tests import exact
 from tests.tiny_models import noisy_copy, tiny_lm
 
@@ -578,3 +580,44 @@ def test_a_model_server_that_loses_the_session_mid_request_is_resynced_with_the_
     assert run.result.token_ids == ref.token_ids
     # each loss costs exactly one extra sync of that worker, beyond the one at the start
     assert all(n == 1 + dropped for n in syncs.values()), syncs
+
+
+@pytest.mark.parametrize("evictions", [1, 99])
+def test_a_session_evicted_again_between_its_resync_and_its_verification(tli, monkeypatch, evictions):
+    """A full KV pool may evict a session again between the loop's re-sync and its verification: the loop
+    syncs once more (the same output, token for token), and a session evicted at every try ends the request
+    with ResourceExhausted (HTTP 429, retry later) after a few tries -- not NotFound, not a loop without end."""
+    draft = DraftConfig(num_draft_tokens=3, adaptive=False)
+    ref = tli.generate(PROMPTS[0], max_new_tokens=16, draft=draft)
+    v = tli.verifier
+    orig_sync, state = v.sync, {"armed": False, "evicted": 0, "syncs": 0}
+
+    def sync(sid, ids, *a, **kw):
+        out = orig_sync(sid, ids, *a, **kw)
+        state["syncs"] += 1
+        if state["armed"] and state["evicted"] < evictions:  # another session's prefill takes its blocks
+            state["evicted"] += 1
+            assert v.end(sid)
+        return out
+
+    monkeypatch.setattr(v, "sync", sync)
+    tli._n += 1
+    sid = f"engine-{tli._n}"
+    run = tli.decoder.run(sid, tli.pair.encode_target(PROMPTS[0]), tli.pair.encode_drafter(PROMPTS[0]),
+                          max_new_tokens=16, params=SamplingParams(), seed=0, draft=draft)
+    try:
+        with contextlib.ExitStack() as raises:
+            if evictions > 3:
+                raises.enter_context(pytest.raises(ResourceExhausted, match="evicted"))
+            for i, _ in enumerate(run):
+                if i == 1:  # between rounds the verifier forgets the session, and the re-sync is evicted too
+                    assert v.end(sid)
+                    state["armed"] = True
+    finally:
+        v.end(sid)
+        tli.drafter_worker.end(sid)
+    if evictions == 1:
+        assert run.result.token_ids == ref.token_ids
+        assert state["syncs"] == 3  # the start, the re-sync that was evicted, the one that held
+    else:
+        assert state["evicted"] == state["syncs"] - 1 <= 4  # a bounded number of tries
