@@ -162,6 +162,7 @@ def main():
             f"-> batched speedup x{seq[B]['batched_speedup']:.2f}")
 
     result = {
+        "commit": _commit(),
         "device": dev_name,
         "torch": torch.__version__,
         "transformers": tf_version,
@@ -184,6 +185,18 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     log(f"wrote {path}")
+
+
+def _commit() -> str:
+    """The commit measured (benchmarks/results' files are stamped with it), "" outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 if __name__ == "__main__":
