@@ -197,8 +197,8 @@ class PoolChoice:
     def __init__(self, order: list[str], estimates: dict | None, switch, metrics=None, prior: dict | None = None):
         self.order = list(order)
         # the session's own estimates; a new session's come from similar requests (PoolPriors.seed)
-        self.prior = not estimates and bool(prior)
         self.est = {name: dict(e) for name, e in (estimates or prior or {}).items() if name in self.order}
+        self.prior = not estimates and bool(self.est)
         self.here: dict[str, int] = {}  # rounds that measured each kind in this request
         self.switch = switch
         self.metrics = metrics
