@@ -208,8 +208,8 @@ class Gateway:
                         dec = self._decoders.setdefault(key, built)
                 return dec
         finally:
-            with self._lock:
-                if self._making.get(key) is making and not making.locked():
+            with self._lock:  # (after a failed build, each waiter tries again)
+                if self._making.get(key) is making:
                     del self._making[key]
 
     def _new_decoder(self, v_addr: str, d_addr: str | None, kind: str) -> Decoder:

@@ -48,6 +48,14 @@ def derive_seed(seed: int, i: int) -> int:
     return int.from_bytes(h, "little") & (2**63 - 1)
 
 
+async def _cancel_on_disconnect(request: Request, jobs: Completions) -> None:
+    """Cancel the jobs if the client leaves (the body is read: the next message is the disconnect); the
+    rounds stop after the one in flight."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    jobs.cancel()
+
+
 def _after(head, events):
     """`head`, then the rest of `events` (closed however this generator ends)."""
     try:
@@ -181,15 +189,9 @@ class RestApi:
         (no verifier, no KV memory, ...) answers with its HTTP status (and Retry-After), as unstreamed
         requests do, rather than 200 and an error event. A client that leaves meanwhile cancels the jobs."""
         limiter = self.generation_limiter(g)
-
-        async def watch_disconnect():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            jobs.cancel()
-
         head = failed = None
         async with anyio.create_task_group() as tg:  # errors caught inside: a task group would wrap them
-            tg.start_soon(watch_disconnect)
+            tg.start_soon(_cancel_on_disconnect, request, jobs)
             try:
                 head = await anyio.to_thread.run_sync(next, events, None, limiter=limiter)
             except Exception as e:  # raised by sse_events only before its first chunk; it has closed the jobs
@@ -230,15 +232,9 @@ class RestApi:
             except Exception as e:
                 outs[i]["error"] = e
 
-        async def watch_disconnect():
-            # the body is read: the next message is the disconnect, if the client leaves
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            jobs.cancel()  # the rounds stop after the one in flight
-
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_disconnect)
+                tg.start_soon(_cancel_on_disconnect, request, jobs)
                 async with anyio.create_task_group() as runs:  # the n completions run side by side
                     for i in range(len(jobs.jobs)):
                         runs.start_soon(self._work, g, run_one, i)
