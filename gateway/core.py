@@ -84,7 +84,10 @@ class Gateway:
         self.pending: dict[str, str] = {}
         self.watchers: list = []  # kubernetes discovery's EndpointSlice watches (gateway.server.build_gateway)
         self.kinds: dict[str, DrafterKind] = {}
-        self.pool_priors = PoolPriors()  # what each kind was worth for each class of prompt (new sessions start there)
+        # what each kind was worth for each class of prompt (new sessions start there), shared in Redis by every
+        # gateway replica of this target
+        self.pool_priors = PoolPriors(getattr(store, "r", None),
+                                      f"{getattr(store, 'prefix', 'crossdraft:')}pool-priors:{self.model_name}")
         self._by_key: dict[str, DrafterKind] = {}
         self.has_drafter = False
         for k in kinds:

@@ -26,7 +26,7 @@ from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from .metrics import add_stats, stats_dict
-from .pool import PoolChoice, prior_order, text_class
+from .pool import PoolChoice, kind_models, prior_order, text_class
 from .sessions import Session, server_session_id
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class Job:
             prior = None
             if not own:  # a new session: the prompt's spelling orders the kinds; similar requests' measurements first
                 self._text_class = text_class(text or "")
-                prior = gw.pool_priors.seed(self._text_class)
+                prior = gw.pool_priors.seed(self._text_class, kind_models(kinds))
                 if like is None:
                     names = prior_order(kinds, text or "")
             self.pool = PoolChoice(names, own, self._switch, gw.metrics, prior=prior)
@@ -418,7 +418,7 @@ class Job:
             if self.session is not None:
                 self._commit(res, st)
             if self.pool is not None and self._text_class:
-                gw.pool_priors.learn(self._text_class, self.pool.learned())
+                gw.pool_priors.learn(self._text_class, self.pool.learned(), kind_models(gw.kinds.values()))
             status = "ok"
             done = {"type": "done", "session_id": self.session.session_id if self.session else "",
                     "finish_reason": res.stats.finish_reason, "text": res.text,

@@ -17,10 +17,14 @@ changes the text: the target decides every token."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 
+log = logging.getLogger("crossdraft.gateway.pool")
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}\Z")
 
 # How a request explores and keeps kinds. A kind is "measured" after EXPLORE_ROUNDS rounds that drafted
@@ -43,6 +47,11 @@ FLUENT = 0.85
 PRIOR_WEIGHT = 2.0
 LEARN = 0.5
 STALE = 8
+# the shared estimates (Redis) expire a week after the last request taught them; a call to Redis for them waits
+# at most PRIORS_WAIT_S, and after a failure the gateway uses its own memory for PRIORS_RETRY_S before trying again
+PRIORS_TTL_S = 7 * 86400.0
+PRIORS_WAIT_S = 0.25
+PRIORS_RETRY_S = 10.0
 CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 CODE_CHARS = frozenset("{}[]()<>=;_#|\\")
 
@@ -98,6 +107,26 @@ class DrafterKind:
     revision: str = ""
 
 
+def quick_client(r):
+    """A client of the same Redis as `r` (address, TLS, password) that fails fast: no retries, PRIORS_WAIT_S
+    timeouts (None for None)."""
+    if r is None:
+        return None
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = r.connection_pool
+    kw = dict(pool.connection_kwargs, socket_timeout=PRIORS_WAIT_S, socket_connect_timeout=PRIORS_WAIT_S,
+              retry=Retry(NoBackoff(), 0))
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kw))
+
+
+def kind_models(kinds) -> dict[str, str]:
+    """{kind name: its model (at its revision)}: what the shared priors tell kinds of the same name apart by."""
+    return {k.name: k.model + (f"@{k.revision}" if k.revision else "") for k in kinds}
+
+
 def bytes_per_token(tok, text: str) -> float:
     """How many bytes of `text` one of the tokenizer's ids spells on average (a vocabulary that does not
     know the text's script spells it a byte or two at a time)."""
@@ -145,47 +174,119 @@ def text_class(text: str, sample_chars: int = 2000) -> str:
 
 
 class PoolPriors:
-    """The gateway's memory of what each drafter kind was worth for each class of prompt (text_class), learned
+    """The gateways' memory of what each drafter kind was worth for each class of prompt (text_class), learned
     from the requests' own measurements: a new session starts on the kind that served its class best and
     explores only kinds its class has not measured lately, instead of measuring every kind again from scratch.
-    Shared by the gateway's requests (thread-safe); each gateway learns its own."""
 
-    def __init__(self) -> None:
+    With a Redis client (the session store's) every gateway replica of one target reads and teaches the same
+    estimates: one hash, ``key``, a JSON document per class, each update a WATCH/MULTI transaction (several
+    replicas learning at once never lose one another's update). Each entry names the kind's model, so a
+    gateway whose kind of the same name serves another model ignores it. Redis trouble never fails a request:
+    the gateway then uses and teaches its own memory until Redis answers again. Thread-safe."""
+
+    def __init__(self, redis=None, key: str = "", ttl_s: float = PRIORS_TTL_S) -> None:
         self._lock = threading.Lock()
-        self._cls: dict[str, dict[str, dict]] = {}  # class -> kind -> {"v", "a", "age"}
+        self._cls: dict[str, dict[str, dict]] = {}  # this gateway's memory: class -> kind -> {"v", "a", "age", "model"}
+        self._r, self._key, self._ttl_ms = quick_client(redis), key, int(ttl_s * 1000)
+        self._skip_until = 0.0  # after a failure Redis is left alone for PRIORS_RETRY_S
 
-    def seed(self, cls: str) -> dict:
-        """Estimates in PoolChoice's form for a new session of class `cls` ({} when nothing is known)."""
+    def _shared(self, fn) -> tuple[bool, object]:
+        """(True, fn()) on the shared estimates; (False, None) without Redis, when it did not answer, or while
+        it is left alone after a failure (logged once per outage): a request never waits on it for long."""
+        import redis
+
+        if self._r is None or time.monotonic() < self._skip_until:
+            return False, None
+        try:
+            out = fn()
+        except redis.RedisError as e:
+            if not self._skip_until:
+                log.warning("pool priors: Redis unavailable (%s: %s); using this gateway's own until it answers",
+                            type(e).__name__, e)
+            self._skip_until = time.monotonic() + PRIORS_RETRY_S
+            return False, None
+        self._skip_until = 0.0
+        return True, out
+
+    def _read(self, cls: str) -> dict:
+        ok, doc = self._shared(lambda: self._r.hget(self._key, cls))
+        if ok:
+            return _doc(doc)
         with self._lock:
-            known = dict(self._cls.get(cls, {}))
-        return {n: {"s": p["a"] * PRIOR_WEIGHT, "t": PRIOR_WEIGHT, "n": EXPLORE_ROUNDS, "v": p["v"]}
-                for n, p in known.items()}
+            return {n: dict(p) for n, p in self._cls.get(cls, {}).items()}
 
-    def learn(self, cls: str, measured: dict) -> None:
+    def seed(self, cls: str, models: dict | None = None) -> dict:
+        """Estimates in PoolChoice's form for a new session of class `cls` ({} when nothing is known); with
+        `models` ({kind: model}), only entries learned for the same model of each kind."""
+        known = self._read(cls)
+        return {n: {"s": p["a"] * PRIOR_WEIGHT, "t": PRIOR_WEIGHT, "n": EXPLORE_ROUNDS, "v": p["v"]}
+                for n, p in known.items() if not models or not p.get("model") or models.get(n) == p["model"]}
+
+    def learn(self, cls: str, measured: dict, models: dict | None = None) -> None:
         """A request of class `cls` finished with `measured` ({kind: estimate}, only the kinds its own rounds
-        measured): move the class's estimates toward them; kinds it did not measure age."""
+        measured; `models`: {kind: model}): move the class's estimates toward them; kinds it did not measure
+        age."""
         if not measured:
             return
         with self._lock:
-            kinds = self._cls.setdefault(cls, {})
-            for name in list(kinds):
-                if name not in measured:
-                    kinds[name]["age"] += 1
-                    if kinds[name]["age"] >= STALE:
-                        del kinds[name]
-            for name, e in measured.items():
-                a = e["s"] / e["t"] if e.get("t", 0) > 0 else 0.0
-                p = kinds.get(name)
-                if p is None:
-                    kinds[name] = {"v": float(e["v"]), "a": a, "age": 0}
-                else:
-                    p["v"] += LEARN * (float(e["v"]) - p["v"])
-                    p["a"] += LEARN * (a - p["a"])
-                    p["age"] = 0
+            self._cls[cls] = blend_priors(self._cls.get(cls, {}), measured, models or {})
+        self._shared(lambda: self._learn_shared(cls, measured, models or {}))
+
+    def _learn_shared(self, cls: str, measured: dict, models: dict) -> None:
+        import redis
+
+        with self._r.pipeline() as pipe:
+            for _ in range(8):  # another replica's update between the read and the write: read again
+                try:
+                    pipe.watch(self._key)
+                    doc = _doc(pipe.hget(self._key, cls))
+                    pipe.multi()
+                    pipe.hset(self._key, cls, json.dumps(blend_priors(doc, measured, models)))
+                    pipe.pexpire(self._key, self._ttl_ms)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+            log.warning("pool priors: class %s not updated (8 concurrent updates in a row)", cls)
 
     def snapshot(self) -> dict:
+        """Every class's estimates as this gateway sees them (the shared ones where Redis answers)."""
+        ok, shared = self._shared(lambda: self._r.hgetall(self._key))
+        if ok:
+            return {k.decode() if isinstance(k, bytes) else k: _doc(v) for k, v in shared.items()}
         with self._lock:
             return {c: {n: dict(p) for n, p in kinds.items()} for c, kinds in self._cls.items()}
+
+
+def _doc(raw) -> dict:
+    """A class's shared estimates from their JSON ({} for none, or for a document that is not theirs)."""
+    try:
+        doc = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    ok = isinstance(doc, dict) and all(isinstance(p, dict) and {"v", "a"} <= set(p) for p in doc.values())
+    return doc if ok else {}
+
+
+def blend_priors(kinds: dict, measured: dict, models: dict) -> dict:
+    """A class's estimates ({kind: {"v", "a", "age", "model"}}) after one more request measured `measured`:
+    each measured kind moves LEARN of the way to the request's value and acceptance (a kind new to the class,
+    or learned for another model, takes them as they are); the others age, and go at STALE."""
+    out = {}
+    for name, p in kinds.items():
+        if name not in measured:
+            if p.get("age", 0) + 1 < STALE:
+                out[name] = {**p, "age": p.get("age", 0) + 1}
+    for name, e in measured.items():
+        a = e["s"] / e["t"] if e.get("t", 0) > 0 else 0.0
+        model = models.get(name, "")
+        p = kinds.get(name)
+        if p is None or (model and p.get("model") and p["model"] != model):
+            out[name] = {"v": float(e["v"]), "a": a, "age": 0, "model": model}
+        else:
+            out[name] = {"v": p["v"] + LEARN * (float(e["v"]) - p["v"]), "a": p["a"] + LEARN * (a - p["a"]),
+                         "age": 0, "model": model or p.get("model", "")}
+    return out
 
 
 class PoolChoice:

@@ -11,6 +11,7 @@ of that block at each kind's acceptance. The last test kills the close drafter."
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -104,13 +105,14 @@ def test_grpc_greedy_with_the_pool_gives_the_target_only_ids(pool):
     assert got.token_ids == ref.token_ids and got.stats["drafter"]
 
 
-def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_it(pool):
+def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_it(stack, pool):
     """Turn 1, the first request of its prompt's class (Cyrillic prose: no earlier test sent one), ends on
     "close" -- started on "far" (first in the gateway's order), it explores "close"; started on "close" (its
     tokenizer spells the prompt more compactly), it explores "far" too when its fixed blocks do not pay at
     static costs, and comes back -- and the session stores the kind and its estimates; turn 2 starts on
     "close" and stays there. A new request of the same class then starts on "close" from what turn 1
-    measured (the gateway's priors), without exploring."""
+    measured (the gateway's priors, kept in Redis for every gateway replica of the target), without
+    exploring."""
     http = pool["http"]
     prompt = "Привет, мир! Как дела сегодня"
     ref = complete(http, {"prompt": prompt, "max_tokens": N_NEW, "use_drafter": False})["choices"][0]["text"]
@@ -139,6 +141,11 @@ def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_i
     assert s3["drafter"] == "close" and s3["drafter_switches"] == 0 and s3["drafter_choice"] == "prior", s3
     assert metric_value(http, "crossdraft_drafter_choices_total", '{drafter="close",outcome="prior"}') == primed + 1
     assert metric_value(http, "crossdraft_drafter_tokens_total", '{drafter="close",outcome="accepted"}') > 0
+    import redis
+
+    shared = {k: v for key in redis.Redis.from_url(stack.redis.url).scan_iter("crossdraft:pool-priors:*")
+              for k, v in redis.Redis.from_url(stack.redis.url).hgetall(key).items()}
+    assert "close" in json.loads(shared[b"other/prose"]), shared
 
 
 def test_a_drafter_down_at_start_is_paired_once_it_answers(stack, pool, reference):

@@ -166,6 +166,83 @@ def test_a_kind_its_class_stopped_measuring_is_explored_again():
     assert seen[0] == "family" and moves == ["tiny"]
 
 
+@pytest.fixture(scope="module")
+def shared_redis():
+    """A real redis-server, as the gateways' session store uses."""
+    import redis
+
+    from crossdraft.serving.redis_server import RedisServer
+
+    srv = RedisServer().start()
+    try:
+        yield redis.Redis.from_url(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_gateway_replicas_sharing_redis_learn_from_each_others_requests(shared_redis):
+    """Two gateways of one target (PoolPriors on the same Redis key): what a request on one measured starts
+    the other's new sessions of that class on the kind it found best; a replica of another pool whose kind of
+    the same name serves another model ignores those estimates."""
+    key = "crossdraft:pool-priors:test-share"
+    a, b = P.PoolPriors(shared_redis, key), P.PoolPriors(shared_redis, key)
+    code = {"tiny": 1.3, "family": 2.2}
+    seen, moves = request_of(a, "latin/code", ["tiny", "family"], code)
+    assert seen[0] == "tiny" and moves == ["family"]  # the first request anywhere explores
+    seen, moves = request_of(b, "latin/code", ["tiny", "family"], code)
+    assert set(seen) == {"family"} and moves == []  # the other replica starts where the first ended
+    assert b.snapshot() == a.snapshot() and set(a.snapshot()) == {"latin/code"}
+    models = {"tiny": "m-tiny", "family": "m-family"}
+    a.learn("latin/prose", {"family": {"s": 3.0, "t": 4.0, "n": 4, "v": 2.0}}, models)
+    assert set(b.seed("latin/prose", models)) == {"family"}
+    assert b.seed("latin/prose", {"tiny": "m-tiny", "family": "another-model"}) == {}
+
+
+def test_concurrent_updates_from_replicas_are_none_of_them_lost(shared_redis):
+    """Twelve requests on two replicas finish at once, each having measured its own kind: every kind is in
+    the class's estimates once they are done, and each aged by the requests after it (ages 0..5 per six)."""
+    import threading
+
+    key = "crossdraft:pool-priors:test-race"
+    replicas = [P.PoolPriors(shared_redis, key), P.PoolPriors(shared_redis, key)]
+    kinds = [f"k{i}" for i in range(P.STALE - 2)]
+    go = threading.Barrier(len(kinds))
+
+    def one(i):
+        go.wait()
+        replicas[i % 2].learn("latin/code", {kinds[i]: {"s": 1.0, "t": 2.0, "n": 2, "v": 1.0 + i}})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(kinds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    doc = replicas[0].snapshot()["latin/code"]
+    assert set(doc) == set(kinds)
+    assert sorted(p["age"] for p in doc.values()) == list(range(len(kinds)))
+    assert all(doc[k]["v"] == 1.0 + i for i, k in enumerate(kinds))
+
+
+def test_priors_without_redis_answering_use_the_gateways_own_memory():
+    """Redis down (nothing listens on its port): requests neither fail nor wait on it; the gateway learns and
+    seeds from its own memory meanwhile."""
+    import redis
+
+    from tests.service_fixtures import free_port
+
+    down = redis.Redis(host="127.0.0.1", port=free_port())  # the store's client: retries with backoff
+    priors = P.PoolPriors(down, "crossdraft:pool-priors:down")
+    calls = []
+    for name in ("hget", "hgetall", "pipeline"):  # count the attempts that reach the client
+        real = getattr(priors._r, name)
+        setattr(priors._r, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    request_of(priors, "latin/code", ["tiny", "family"], {"tiny": 1.3, "family": 2.2})
+    seen, moves = request_of(priors, "latin/code", ["tiny", "family"], {"tiny": 1.3, "family": 2.2})
+    assert set(seen) == {"family"} and moves == []
+    assert set(priors.snapshot()) == {"latin/code"}
+    assert calls == ["hget"]  # one refused call; the rest within PRIORS_RETRY_S did not try Redis again
+
+
 def test_prompt_classes_tell_script_and_shape():
     code = "def merge(a: list[int], b: list[int]) -> list[int]:\n    out = []\n    while a and b:\n"
     assert P.text_class(code) == "latin/code"
