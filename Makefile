@@ -51,8 +51,11 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check .
 
+# TEST_WORKERS pytest processes (pytest-xdist), each running whole files (their module fixtures, stacks and
+# model loads stay in one process); 0 runs the suite in this process
+TEST_WORKERS ?= 2
 test: models lint
-	$(BIN)/python -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # the REST API fuzzed from its OpenAPI document with many more examples than `make test` uses
 fuzz: venv
