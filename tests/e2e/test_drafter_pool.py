@@ -305,6 +305,56 @@ current-context: fake
         api.close()
 
 
+CHI_PROMPT = "Le renard brun rapide saute"  # (a class no other test here sends: its requests start without priors)
+CHI_SAMPLES, CHI_N = 800, 16
+
+
+def test_rest_sampling_with_the_pool_follows_the_target_distribution(tiny_dirs, close_dir, pool, tmp_path_factory):
+    """Chi-square guard through REST with the pool: the first two tokens of unseeded sampled completions
+    (top-k 8 at T 0.7: the tiny target's distribution is nearly flat, and 64 cells give a test with power)
+    against target-only's exact joint distribution, computed in process on the served target's weights.
+    One-token blocks: the first token is a draft's accept-or-resample, the second the bonus token or the
+    next block's. The requests choose their kind as any do (the first of this class without priors, the
+    later ones from it); both branches of the acceptance rule occur. A false alarm once in 10,000 runs."""
+    from crossdraft.decoding.sampling import SamplingParams
+    from crossdraft.engine import Engine
+    from crossdraft.models.loading import load_model
+    from gateway.rest_json import _token_text
+    from tests import exact
+
+    t_dir, _ = tiny_dirs
+    engine = Engine(load_model(str(t_dir), dtype="float32"), load_model(str(close_dir), dtype="float32"),
+                    vocab_cache_dir=tmp_path_factory.mktemp("vocab"))
+    params = SamplingParams(temperature=0.7, top_k=8)
+    eos = engine.target.eos_token_ids
+    expected: dict = {}
+    prompt_ids = engine.pair.encode_target(CHI_PROMPT)
+    for (t1, t2), p in exact.exact_two_token_distribution(engine, prompt_ids, params).items():
+        key = () if t1 in eos else (_token_text(engine.pair, t1)[0],) if t2 in eos else (
+            _token_text(engine.pair, t1)[0], _token_text(engine.pair, t2)[0])
+        expected[key] = expected.get(key, 0.0) + p
+    body = {"prompt": CHI_PROMPT, "max_tokens": 3, "temperature": 0.7, "top_k": 8, "num_draft_tokens": 1,
+            "adaptive_draft": False, "logprobs": 0, "n": CHI_N}
+    counts: dict = {}
+    stats = {"drafted": 0, "accepted": 0}
+    kinds: set = set()
+    for _ in range(CHI_SAMPLES // CHI_N):
+        r = complete(pool["http"], body)
+        s = r["speculative"]
+        assert s["draws"] == "rejection"
+        for c in r["choices"]:
+            key = tuple(c["logprobs"]["tokens"][:2])
+            counts[key] = counts.get(key, 0) + 1
+        for k in stats:
+            stats[k] += s[k]
+        kinds.add(s["drafter"])
+    (chi2, pvalue), cells = exact.chi_square(counts, expected, sum(counts.values()))
+    assert cells >= 20, "distribution too concentrated to test anything"
+    assert pvalue > 1e-4, f"chi2={chi2:.1f} over {cells} cells, p={pvalue:.2e}"
+    assert 0 < stats["accepted"] < stats["drafted"], stats  # both branches of the acceptance rule
+    assert len(kinds) == 2, kinds  # each kind drafted for some of them (the first request explores)
+
+
 def test_killing_one_kind_mid_request_completes_with_the_same_text(pool):
     """A session settled on "close"; its drafter SIGKILLed once a third of a streamed turn has arrived: the
     turn completes with the text of the same turns run target-only, failing over to the other kind (or,
