@@ -369,6 +369,10 @@ class Decoder(Pipelining):
             other._peers(req)
             if other._hold(req):  # the load gate holds drafting: the next round drafts nothing
                 req.k, pol.reason = 0, "load"
+            elif req.draft.allow_skip and not pol.first_block_pays(req.remaining(), len(state.ids)):
+                req.k = 0  # as a new request's first block: only where it could pay, the drafter's sync included
+        if req.k == 0:
+            pol.drafter_missed(len(state.ids))
 
     # ---- the other requests in the loop -----------------------------------------------------------
     @property

@@ -89,6 +89,34 @@ def test_a_drafter_that_cannot_pay_gets_no_prompt_and_no_first_block(eng):
     assert eng.counting.syncs == [] and eng.counting.drafts == 0  # not even the prompt's prefill
 
 
+def test_a_request_moved_to_a_kind_that_cannot_pay_gets_no_sync_and_no_block_there(eng, target, drafter, measured,
+                                                                                   monkeypatch):
+    """A pool's move (Decoder.hand_over) to a drafter kind whose costs rule drafting out starts there as a new
+    request would: no block right after the move and no sync of the whole history into that drafter (the
+    move would otherwise pay a prefill of everything so far to draft a block that cannot pay); the text
+    stays the target's."""
+    from crossdraft.decoding.decode import Decoder
+    from crossdraft.runtime import costs
+
+    tables, vocab = measured
+    with monkeypatch.context() as mp:
+        mp.setattr(costs, "forward_ms", lambda loaded, max_tokens: list(tables[id(loaded)]))
+        other = Engine(target, drafter, vocab_cache_dir=vocab)
+    _costly_drafter(other)
+    costly = Decoder(other.pair, eng.verifier, CountingDrafter(other.drafter_worker), check_context=False,
+                     name="costly")
+    ref = eng.generate(PROMPT, max_new_tokens=16, use_drafter=False)
+    t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
+    run = eng.decoder.run("moved", t_ids, d_ids, max_new_tokens=16, params=SamplingParams(), seed=0,
+                          draft=DraftConfig(), chooser=lambda req, ev: costly if ev.round_index == 0 else None)
+    events = list(run)
+    eng.verifier.end("moved")
+    assert run.result.token_ids == ref.token_ids and run.result.stats.drafter == "costly"
+    assert [ev.drafter for ev in events[1:]] == ["costly"] * (len(events) - 1)
+    assert sum(ev.drafted for ev in events[1:]) == 0
+    assert costly.drafter.syncs == [] and costly.drafter.drafts == 0
+
+
 def test_its_probe_syncs_the_drafter_once_with_everything_generated_so_far(eng, monkeypatch):
     ref = eng.generate(PROMPT, max_new_tokens=30, use_drafter=False)
     _costly_drafter(eng)
