@@ -7,7 +7,8 @@ a gateway per kind alone (``--drafter <kind>``) and a gateway with the pool (``-
 one-off (no session): the pool chooses from the prompt's spelling, what the gateway's earlier requests of
 the prompt's class measured (its priors), and the request's own rounds, with no earlier turn to learn from.
 Prompt classes: English code, English prose, Chinese.
-The modes run in rotating order per repeat, so a slow drift of the machine hits all alike.
+Each prompt runs in every mode back to back, the modes' order rotating by prompt and repeat, so a slow drift of
+the machine hits all modes alike.
 
 Per class and over the mixed workload: tokens/s of each mode (completion tokens over the requests'
 summed latency), the pool's ratio to the best single choice of the same run (either drafter, or none)
@@ -171,15 +172,20 @@ def run_target(a, target: str, ps: list[tuple[str, str]], kinds: list[str]) -> d
         for url, use in urls.values():  # warm each gateway's paths (first tokenizations, masks sent)
             one(url, ps[0][1], argparse.Namespace(max_new_tokens=4), use)
         for rep in range(a.repeats):
-            order = modes[rep % len(modes):] + modes[: rep % len(modes)]
-            for mode in order:
-                url, use = urls[mode]
-                for cls, prompt in ps:
+            # each prompt runs in every mode back to back (the modes' order rotating by prompt and repeat):
+            # the machine's speed drifts by 10-20% over minutes here, and a mode's requests run as one block
+            # would take that drift for a difference between the modes
+            for i, (cls, prompt) in enumerate(ps):
+                k = (rep + i) % len(modes)
+                for mode in modes[k:] + modes[:k]:
+                    url, use = urls[mode]
                     r = one(url, prompt, a, use)
                     rows.append({"mode": mode, "class": cls, "prompt": prompt, "repeat": rep, **r})
+            for mode in modes:
+                got = [x for x in rows if x["repeat"] == rep and x["mode"] == mode]
                 print(f"{target} repeat {rep} {mode:22s} " + "  ".join(
                     f"{x['class']}:{x['tokens'] / x['latency_s']:.2f}" + (f"[{x['drafter']}]" if mode == "pool" else "")
-                    for x in rows[-len(ps):]), flush=True)
+                    for x in got), flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     res = {"summary": summarize(rows, kinds), "greedy_identity": identity(rows), "rows": rows}
     for cls, v in res["summary"].items():
