@@ -24,6 +24,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 log = logging.getLogger("crossdraft.gateway.pool")
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}\Z")
 
@@ -112,10 +116,6 @@ def quick_client(r):
     timeouts (None for None)."""
     if r is None:
         return None
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     pool = r.connection_pool
     kw = dict(pool.connection_kwargs, socket_timeout=PRIORS_WAIT_S, socket_connect_timeout=PRIORS_WAIT_S,
               retry=Retry(NoBackoff(), 0))
@@ -193,8 +193,6 @@ class PoolPriors:
     def _shared(self, fn) -> tuple[bool, object]:
         """(True, fn()) on the shared estimates; (False, None) without Redis, when it did not answer, or while
         it is left alone after a failure (logged once per outage): a request never waits on it for long."""
-        import redis
-
         if self._r is None or time.monotonic() < self._skip_until:
             return False, None
         try:
@@ -233,8 +231,6 @@ class PoolPriors:
         self._shared(lambda: self._learn_shared(cls, measured, models or {}))
 
     def _learn_shared(self, cls: str, measured: dict, models: dict) -> None:
-        import redis
-
         with self._r.pipeline() as pipe:
             for _ in range(8):  # another replica's update between the read and the write: read again
                 try:

@@ -143,8 +143,8 @@ def test_a_session_the_first_kind_cannot_draft_for_ends_on_the_other_and_keeps_i
     assert metric_value(http, "crossdraft_drafter_tokens_total", '{drafter="close",outcome="accepted"}') > 0
     import redis
 
-    shared = {k: v for key in redis.Redis.from_url(stack.redis.url).scan_iter("crossdraft:pool-priors:*")
-              for k, v in redis.Redis.from_url(stack.redis.url).hgetall(key).items()}
+    r = redis.Redis.from_url(stack.redis.url)
+    shared = {k: v for key in r.scan_iter("crossdraft:pool-priors:*") for k, v in r.hgetall(key).items()}
     assert "close" in json.loads(shared[b"other/prose"]), shared
 
 
