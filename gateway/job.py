@@ -70,6 +70,7 @@ class Job:
         self.d_key, self.d_kind = "drafter", None  # the drafter kind (placement key, DrafterKind) the job drafts with
         self.pool: PoolChoice | None = None  # the choice among a pool of drafter kinds (two or more)
         self._text_class = ""  # a new session's prompt class: what its pool measurements teach (PoolPriors)
+        self.pool_none = False  # its class's estimates say no kind pays: it runs target-only (PoolChoice.none_pays)
         self._abandoned: list[tuple[str, str]] = []  # (key, address) of drafters the job moved away from
         self._settings(opts)
         self.kind = self._kind(messages)
@@ -140,6 +141,11 @@ class Job:
                 if like is None:
                     names = prior_order(kinds, text or "")
             self.pool = PoolChoice(names, own, self._switch, gw.metrics, prior=prior)
+            none = like.pool_none if like is not None else self.draft.adaptive and self.pool.none_pays()
+            if none:  # similar requests measured every kind, and none paid: target-only rounds
+                self.use_drafter, self.pool_none = False, True
+                gw.metrics.pool_choice("", "none")
+                return
             if like is None:
                 names = self.pool.first()
         for name in names:
@@ -410,6 +416,8 @@ class Job:
             res = self.run.result
             if self.no_drafter_reason and not res.stats.drafter_fallback:
                 res.stats.drafter_fallback, res.stats.fallback_reason = True, self.no_drafter_reason
+            if self.pool_none:
+                res.stats.drafter_choice = "none"
             st = stats_dict(res.stats)
             if res.stats.drafter_fallback:
                 gw.metrics.fallbacks.inc()
@@ -417,7 +425,9 @@ class Job:
             gw.metrics.prompt_tokens.inc(self.prompt_tokens)
             if self.session is not None:
                 self._commit(res, st)
-            if self.pool is not None and self._text_class:
+            if self.pool_none and self._text_class:
+                gw.pool_priors.age(self._text_class)
+            elif self.pool is not None and self._text_class:
                 gw.pool_priors.learn(self._text_class, self.pool.learned(), kind_models(gw.kinds.values()))
             status = "ok"
             done = {"type": "done", "session_id": self.session.session_id if self.session else "",
@@ -492,7 +502,7 @@ class Job:
         new.__dict__.update(self._placement)
         if self._abandoned:  # the run moved to another drafter kind: the session's drafter is that one
             new.__dict__.update(self._drafter_placement())
-        if self.pool is not None:
+        if self.pool is not None and not self.pool_none:  # (a turn that chose none by its class measured nothing)
             new.pool = self.pool.snapshot()
         if not self.use_drafter and self.run.drafter_ids is None:
             new.drafter_kind = self.session.drafter_kind  # (a target-only turn keeps the session's kind and ids)

@@ -220,6 +220,14 @@ class PoolPriors:
         return {n: {"s": p["a"] * PRIOR_WEIGHT, "t": PRIOR_WEIGHT, "n": EXPLORE_ROUNDS, "v": p["v"]}
                 for n, p in known.items() if not models or not p.get("model") or models.get(n) == p["model"]}
 
+    def age(self, cls: str) -> None:
+        """A request of class `cls` ran target-only because its class's estimates said no kind pays
+        (PoolChoice.none_pays): every kind of the class ages, so that after STALE such requests the
+        estimates expire and a request of the class measures the kinds again."""
+        with self._lock:
+            self._cls[cls] = blend_priors(self._cls.get(cls, {}), {}, {})
+        self._shared(lambda: self._learn_shared(cls, {}, {}))
+
     def learn(self, cls: str, measured: dict, models: dict | None = None) -> None:
         """A request of class `cls` finished with `measured` ({kind: estimate}, only the kinds its own rounds
         measured; `models`: {kind: model}): move the class's estimates toward them; kinds it did not measure
@@ -322,6 +330,14 @@ class PoolChoice:
         known = sorted((n for n in live if self.measured(n)), key=lambda n: -self.value(n))
         return [n for n in known if self.value(n) > 1.0] + [n for n in live if not self.measured(n)] + \
             [n for n in known if self.value(n) <= 1.0]
+
+    def none_pays(self) -> bool:
+        """A new session whose class's estimates (PoolPriors) measured every kind it may use, none of them
+        worth drafting: it runs target-only, not paying for a drafter's session, probes and a policy's
+        rounds on the way to the same answer (similar requests measure the kinds again once the class's
+        estimates expire: PoolPriors.age)."""
+        live = [n for n in self.order if n not in self.down]
+        return self.prior and bool(live) and all(self.measured(n) and self.value(n) <= 1.0 for n in live)
 
     def first(self) -> list[str]:
         """The kinds to start on, in order (the caller takes the first with a ready replica)."""

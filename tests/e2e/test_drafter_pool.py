@@ -101,7 +101,7 @@ def test_greedy_with_the_pool_is_the_target_only_text(pool, reference, prompt):
 def test_grpc_greedy_with_the_pool_gives_the_target_only_ids(pool):
     with Client(pool["grpc"]) as c:
         ref = c.generate(PROMPTS[0], max_new_tokens=N_NEW, use_drafter=False)
-        got = c.generate(PROMPTS[0], max_new_tokens=N_NEW)
+        got = c.generate(PROMPTS[0], max_new_tokens=N_NEW, **FIXED)
     assert got.token_ids == ref.token_ids and got.stats["drafter"]
 
 
@@ -303,6 +303,47 @@ current-context: fake
         for w in gw.watchers if gw is not None else ():
             w.stop()
         api.close()
+
+
+NONE_PROMPT = "функция квадрат(х) { вернуть х * х; }\n"  # (a class no other test here sends)
+
+
+def test_a_class_where_no_kind_paid_runs_target_only_until_its_estimates_expire(stack, pool):
+    """The class's estimates in the stack's Redis (as its requests teach them) say both kinds were measured
+    and neither paid: a new request of the class with adaptive blocks runs target-only -- the target-only
+    text, choice "none", no drafter touched -- and ages the estimates; once they expire, the next request
+    of the class measures the kinds again."""
+    import redis
+
+    from gateway.pool import STALE, text_class
+
+    http = pool["http"]
+    cls = text_class(NONE_PROMPT)
+    d = requests.get(http + "/v1/models", timeout=30).json()["data"][0]
+    kinds = [k["name"] for k in d["drafters"]]
+    r = redis.Redis.from_url(stack.redis.url)
+    key = f"crossdraft:pool-priors:{d['id']}"
+
+    def teach(age: int) -> None:
+        r.hset(key, cls, json.dumps({k: {"v": 1.0, "a": 0.0, "age": age} for k in kinds}))
+
+    ref = complete(http, {"prompt": NONE_PROMPT, "max_tokens": N_NEW, "use_drafter": False})
+    teach(0)
+    none = metric_value(http, "crossdraft_drafter_choices_total", '{drafter="",outcome="none"}')
+    got = complete(http, {"prompt": NONE_PROMPT, "max_tokens": N_NEW})
+    s = got["speculative"]
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert s["drafter_choice"] == "none" and s["mode"] == "target-only" and s["drafted"] == 0, s
+    assert not s["drafter_fallback"] and s["drafter"] == "", s
+    assert metric_value(http, "crossdraft_drafter_choices_total", '{drafter="",outcome="none"}') == none + 1
+    assert sorted(p["age"] for p in json.loads(r.hget(key, cls)).values()) == [1] * len(kinds)
+    teach(STALE - 1)  # (one request short of expiring)
+    assert complete(http, {"prompt": NONE_PROMPT, "max_tokens": N_NEW})["speculative"]["drafter_choice"] == "none"
+    assert json.loads(r.hget(key, cls)) == {}
+    again = complete(http, {"prompt": NONE_PROMPT, "max_tokens": N_NEW})
+    assert again["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert again["speculative"]["mode"] == "speculative" and again["speculative"]["drafter"] in kinds
+    assert set(json.loads(r.hget(key, cls))) <= set(kinds) and json.loads(r.hget(key, cls))
 
 
 CHI_PROMPT = "Le renard brun rapide saute"  # (a class no other test here sends: its requests start without priors)

@@ -166,6 +166,32 @@ def test_a_kind_its_class_stopped_measuring_is_explored_again():
     assert seen[0] == "family" and moves == ["tiny"]
 
 
+def test_a_class_where_no_kind_pays_runs_target_only_until_its_estimates_expire():
+    """Every kind measured by the class's requests at 1.0 (none worth drafting): a new session of the class
+    chooses none up front (target-only, no drafter touched); each such request ages the estimates, and once
+    they expire a request of the class measures the kinds again -- and, the text now draftable, drafts."""
+    priors = P.PoolPriors()
+    order = ["tiny", "family"]
+    seen, moves = request_of(priors, "cjk/prose", order, {"tiny": 1.0, "family": 1.0})
+    assert seen[0] == "tiny" and moves == ["family"]  # the first request explores both
+    runs = 0
+    while P.PoolChoice(order, None, None, prior=priors.seed("cjk/prose")).none_pays():
+        runs += 1
+        priors.age("cjk/prose")  # (what a request that ran target-only by its class does at its end)
+        assert runs <= P.STALE, "the class's estimates never expired"
+    assert runs == P.STALE  # (a kind its class has not measured in STALE requests is dropped)
+    seen, moves = request_of(priors, "cjk/prose", order, {"tiny": 1.0, "family": 2.0})
+    assert seen[-1] == "family" and priors.snapshot()["cjk/prose"]["family"]["v"] == 2.0
+    # not where a kind is unmeasured, down for the request, or worth drafting; nor for a session's own estimates
+    measured = {"s": 0.0, "t": 4.0, "n": 4, "v": 1.0}
+    assert not P.PoolChoice(["a", "b"], None, None, prior={"a": measured}).none_pays()
+    both = P.PoolChoice(["a", "b"], None, None, prior={"a": measured, "b": dict(measured, v=1.4)})
+    assert not both.none_pays()
+    both.down.add("b")
+    assert both.none_pays()
+    assert not P.PoolChoice(["a"], {"a": measured}, None).none_pays()
+
+
 @pytest.fixture(scope="module")
 def shared_redis():
     """A real redis-server, as the gateways' session store uses."""
