@@ -49,6 +49,7 @@ class CostModel:
     # while another process computed on the same cores (such a table can be off by more than 20x)
     max_scale = 50.0
     price_forwards = 8  # forwards a server's published price must be fitted from before it prices rows
+    overlap_relax = 0.97  # per serial drafting round, what pipelined rounds measured (scale_o) keeps of its excess
 
     def __init__(self, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,
@@ -80,6 +81,12 @@ class CostModel:
         self.dprice = None
         self.scale_d = 1.0  # measured/predicted drafter time (online correction, measured mode only)
         self.scale_v = 1.0  # measured/predicted verification time
+        # pipelined rounds (measured mode): the verification's time while the drafter drafts the next block
+        # beside it, over its time alone (scale_v) -- models on cores, caches or memory they share slow each
+        # other, and a target-only round would not pay that -- and the wait, in target steps, for the step in
+        # progress of a block drafted ahead and dropped
+        self.scale_o = 1.0
+        self.drop_wait = 0.0
         # drafter steps per target token drafted (text mode re-encodes the drafter's text: SmolLM2 spells a
         # Chinese character the Qwen target has as one token in 2-3 byte tokens); 1 in TLI mode
         self.step_sum, self.tok_sum = 1.0, 1.0
@@ -151,16 +158,29 @@ class CostModel:
             d = self.batch_decay
             self.batch = d * self.batch + (1 - d) * float(rows)
 
-    def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
+    def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float,
+                     overlapped: bool = False, drop_s: float | None = None) -> None:
         """Measured mode: a round's wall-clock times (drafter steps, the verification of m tokens),
-        against the predicted ones (target_step_s = the measured time of one target decoding step)."""
+        against the predicted ones (target_step_s = the measured time of one target decoding step).
+        ``overlapped``: the drafter drafted the next block during this verification (pipelined), whose
+        time then measures ``scale_o``, not ``scale_v``; ``drop_s``: that block was dropped, and the round
+        waited this long for its step in progress."""
         if not self.measured or target_step_s <= 0:
             return
         d = self.time_decay
         b = self.batch
-        if verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
+        if verify_s > 0 and m >= 1 and overlapped:  # (the verification alone is scale_v's)
+            ratio = verify_s / (self.fwd(b, m) * target_step_s * self.scale_v)
+            self.scale_o = d * self.scale_o + (1 - d) * min(self.max_scale, max(0.5, ratio))
+            if drop_s is not None:
+                self.drop_wait = d * self.drop_wait + (1 - d) * drop_s / target_step_s
+        elif verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
             ratio = verify_s / (self.fwd(b, m) * target_step_s)
             self.scale_v = d * self.scale_v + (1 - d) * min(self.max_scale, max(1 / self.max_scale, ratio))
+            if self.pipelined and m > 1:  # a serial round that drafted: what pipelining measured relaxes toward
+                # none (a contention that has passed is found out by the pipelined rounds it lets run again)
+                self.scale_o = 1.0 + self.overlap_relax * (self.scale_o - 1.0)
+                self.drop_wait *= self.overlap_relax
         if steps > 0 and draft_s > 0:
             # a ratio of times: averaged in log space, each drafter step one observation (a probe's
             # block of 6 steps says more than one step does)
@@ -222,14 +242,13 @@ class CostModel:
         if k == 0:
             return 1.0
         e = expected_tokens(a, k)
-        sv = self.scale_v
         b, n = self.load()
         c = self.c * self.scale_d * self.steps_per_token()
-        # (b): per batch of b sessions: b * E(k) tokens for v(b(k+1)) + k drafter forwards of b rows,
-        # against b tokens for v(b) (target-only); b = 1 is one session alone
-        per = sv * self.fwd(b, 1) / (sv * self.fwd(b, k + 1) + k * c * self.dcost(b))
-        if self.pipelines():
-            e, per = self._pipelined(k, a, e, b, c)
+        per = self._serial(k, b, c)
+        if self.pipelines():  # a round of k runs pipelined where that beats running it serially (ahead_pays)
+            pe, pper = self._pipelined(k, a, e, b, c)
+            if pe * pper > e * per:
+                e, per = pe, pper
         if n >= b:
             return e * per
         alone = 1.0 + b * (self.agg(k, e, n, b, c) - 1.0) / n
@@ -248,16 +267,35 @@ class CostModel:
         up each block's own token and verify that position twice."""
         return self.pipelined and self.load()[0] < 2.0
 
+    def ahead_pays(self, k: int, a: float) -> bool:
+        """Whether a round of k at acceptance a runs pipelined -- its successor drafted during its
+        verification -- rather than serially: where pipelining is on, no other session shares the
+        forwards, and the pipelined round's rate beats the serial one's (:meth:`rate` prices it so)."""
+        if k <= 0 or not self.pipelines():
+            return False
+        e, c, b = expected_tokens(a, k), self.c * self.scale_d * self.steps_per_token(), self.load()[0]
+        pe, pper = self._pipelined(k, a, e, b, c)
+        return pe * pper > e * self._serial(k, b, c)
+
+    def _serial(self, k: int, b: float, c: float) -> float:
+        """Tokens per target step per token of serial rounds of k, b sessions drafting alike (c: a drafter
+        step's cost): b * E(k) tokens for v(b(k + 1)) + k drafter forwards of b rows, against b tokens for
+        v(b) target-only (b = 1: one session alone)."""
+        sv = self.scale_v
+        return sv * self.fwd(b, 1) / (sv * self.fwd(b, k + 1) + k * c * self.dcost(b))
+
     def _pipelined(self, k: int, a: float, e: float, b: float, c: float) -> tuple[float, float]:
         """(tokens, tokens per target step per token) of a pipelined round of k at acceptance a: with
         probability a^k the block is accepted whole, its successor was drafted while it was verified (the
         drafting costs only what it outlasts the verification) and the round yields k tokens, not k + 1;
-        otherwise the next block is drafted after the verification, as in a serial round."""
-        sv = self.scale_v
+        otherwise the round waits for the dropped block's step in progress and the next block is drafted
+        after the verification, as in a serial round. Every such verification runs beside the drafter, at
+        the speed measured so (``scale_o``); the target-only round it is compared with runs alone."""
+        sv, o = self.scale_v, self.scale_o
         v = sv * self.fwd(b, k + 1)
         dr = k * c * self.dcost(b)
         whole = clamp_alpha(a) ** k
-        cost = v + (1.0 - whole) * dr + whole * max(0.0, dr - v)
+        cost = o * v + (1.0 - whole) * (dr + self.drop_wait) + whole * o * max(0.0, dr - v)
         return max(1e-6, e - whole), sv * self.fwd(b, 1) / cost
 
     def stop_threshold(self, hi: int) -> float:

@@ -455,7 +455,7 @@ class Decoder(Pipelining):
                      if req.spec and req.step_s > 0 and req.policy.costs.measured else None)
         skip_reason = req.policy.reason if req.spec and kd == 0 and req.k == 0 else ""
         if req.spec:
-            self._learn(req, drafted, res, draft_wall, verify_wall)
+            self._learn(req, drafted, res, draft_wall, verify_wall, ahead, following)
         req.prev_drafted = len(drafted.tokens) > 0
         req.first = False
         stats.record_round(kd, n)
@@ -535,7 +535,8 @@ class Decoder(Pipelining):
         req.stats.draft_queue_s += queued
         return Drafted(toks, drafts_t, q_rows, seconds, healed, queue_s=queued, map_s=time.perf_counter() - t_map)
 
-    def _learn(self, req: Request, drafted: Drafted, res, draft_wall: float, verify_wall: float) -> None:
+    def _learn(self, req: Request, drafted: Drafted, res, draft_wall: float, verify_wall: float, ahead=None,
+               following=None) -> None:
         """Tell the request's policy what the round showed: its acceptance (the first block's too),
         what a drafted target token cost in drafter steps, and after the first round (whose times
         include the prefill) the load and the wall-clock times."""
@@ -566,14 +567,15 @@ class Decoder(Pipelining):
         # drafter what it missed, all in its first step's forward: its other steps still time the
         # drafter (so a probe corrects a wrong cost table too)
         toks = drafted.tokens
-        steps, dsec = len(toks), draft_wall
+        steps, dsec = len(toks) if drafted.wall < 0 else 0, draft_wall  # (a block drafted ahead: beside a verification)
         if not req.prev_drafted:  # (the drafter's own times of its later steps)
             steps, dsec = max(0, len(toks) - 1), sum(t.forward_s for t in toks[1:])
         # the verification's own time: its wait in the verifier's queue (for other sessions' forwards)
         # is not a cost of this block's size, and read as one it would make the target look slow and
         # drafting cheap under load
         vsec = max(1e-6, verify_wall - getattr(res, "queue_wait_s", 0.0))
-        pol.observe_time(steps, dsec, kd + 1, vsec, req.step_s)
+        drop = ahead.on_path_s() if ahead is not None and following is None else None
+        pol.observe_time(steps, dsec, kd + 1, vsec, req.step_s, ahead is not None, drop)
         if pol.costs.measured:
             self._scales[req.mode] = pol.scales()
 

@@ -184,7 +184,8 @@ class Pipelining:
         cannot be: see can_draft_ahead, or the policy drafts no next block)."""
         if not req.spec or req.k <= 0 or not drafted.tokens or req.policy is None:
             return None
-        if not req.policy.costs.pipelines():  # other sessions share the verifier: serial rounds interleave
+        # other sessions share the verifier (serial rounds interleave), or the block's rate is better serial
+        if not req.policy.ahead_pays(req.k):
             return None
         proposals = [t.id for t in drafted.tokens]
         kd = len(drafted.target_ids)

@@ -175,9 +175,10 @@ class DraftPolicy:
         """Measured mode: ``rows`` sessions share the verifier's forwards now."""
         self.costs.observe_batch(rows)
 
-    def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float) -> None:
+    def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float,
+                     overlapped: bool = False, drop_s: float | None = None) -> None:
         """Measured mode: a round's wall-clock times against the predicted ones (CostModel.observe_time)."""
-        self.costs.observe_time(steps, draft_s, m, verify_s, target_step_s)
+        self.costs.observe_time(steps, draft_s, m, verify_s, target_step_s, overlapped, drop_s)
 
     def see_price(self, price, drafter=None) -> None:
         """Measured mode: the verifier's published price of a batched forward and the drafter's of a
@@ -200,9 +201,11 @@ class DraftPolicy:
         self.unfed = tokens
 
     # ---- what one request carries from the earlier ones of its decoder -----------------------------
-    def scales(self) -> tuple[float, float]:
-        """The online corrections of the cost tables: (drafter, verifier) measured/predicted times."""
-        return self.costs.scale_d, self.costs.scale_v
+    def scales(self) -> tuple[float, float, float, float]:
+        """The online corrections of the cost tables: (drafter, verifier) measured/predicted times, and
+        the pipelined rounds' (the verification beside the drafter, a dropped block's wait)."""
+        c = self.costs
+        return c.scale_d, c.scale_v, c.scale_o, c.drop_wait
 
     def probe_record(self) -> tuple[float, float, float, float]:
         """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted."""
@@ -213,7 +216,8 @@ class DraftPolicy:
         """Start from what the latest requests of the same pair learnt: the cost corrections, and the
         probes' record (relaxed toward the prior, :meth:`relax_record`)."""
         if scales is not None:
-            self.costs.scale_d, self.costs.scale_v = scales
+            c = self.costs
+            c.scale_d, c.scale_v, c.scale_o, c.drop_wait = (*scales, 1.0, 0.0)[:4]
         if record is not None:
             self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record
             self.relax_record()
@@ -224,8 +228,8 @@ class DraftPolicy:
         return dict(load=round(c.batch, 2), others_drafting=c.others,
                     peer_alpha=None if c.peer_alpha is None else round(c.peer_alpha, 3),
                     alpha=round(self.acceptance.alpha(), 3), scale_d=round(c.scale_d, 3),
-                    scale_v=round(c.scale_v, 3), steps_per_token=round(c.steps_per_token(), 3),
-                    probing=self.probing, interval=self.interval)
+                    scale_v=round(c.scale_v, 3), scale_o=round(c.scale_o, 3),
+                    steps_per_token=round(c.steps_per_token(), 3), probing=self.probing, interval=self.interval)
 
     # ---- the rate and the one search over block sizes ----------------------------------------------
     def rate(self, k: int) -> float:
@@ -241,6 +245,14 @@ class DraftPolicy:
             if r > best_r:
                 best_k, best_r = k, r
         return best_k, best_r
+
+    def ahead_pays(self, k: int) -> bool:
+        """Whether a block of k runs pipelined: where it beats a serial round at the acceptance estimate
+        (CostModel.ahead_pays); a fixed block (not adaptive) whenever pipelining is on and no other session
+        shares the forwards."""
+        if not self.cfg.adaptive:
+            return self.costs.pipelines()
+        return self.costs.ahead_pays(k, self.acceptance.alpha())
 
     def value(self) -> float:
         """What drafting is worth to this request now: the best rate over block sizes at the acceptance

@@ -329,12 +329,50 @@ def test_pipelined_rounds_price_drafting_off_the_critical_path():
         piped.observe_batch(16)
     assert not piped.pipelines()
     assert piped.rate(4, 0.95) == pytest.approx(_serial_rate_at(piped, 4, 0.95))
-    # a drafter as slow as the whole verification: at full acceptance the round costs the drafting
+    # a drafter slower than the whole verification: pipelined, a round at full acceptance would cost the
+    # drafting and yield k tokens (2 for 2 drafter steps of 5 target steps); serially it yields k + 1 for
+    # the drafting plus the verification, which is more -- such rounds run serially, and are priced so
     slow = CostModel(cost_ratio=5.0)
     slow.pipelined = True
-    # (tokens / drafting time: 2 tokens for 2 drafter steps of 5 target steps; the acceptance estimate
-    # is clamped below 1, hence the tolerance)
-    assert slow.rate(2, 0.999) == pytest.approx(2 * slow.vcost(1) / (2 * 5.0), rel=0.03)
+    assert not slow.ahead_pays(2, 0.999) and piped.ahead_pays(4, 0.95) is False  # (piped: loaded, serial)
+    assert slow.rate(2, 0.999) == pytest.approx(_serial_rate_at(slow, 2, 0.999))
+    assert slow.rate(2, 0.999) > 2 * slow.vcost(1) / (2 * 5.0)
+
+
+def test_pipelined_rounds_are_priced_at_the_verifications_speed_beside_the_drafter():
+    """Measured costs, one session, pipelining on: the verifications run while the drafter drafts the next
+    block beside them (on cores or memory the two share) take 1.6x their time alone. The rounds measure that
+    (scale_o) apart from the verification's own scale, and a block worth pipelining at the first prices is
+    then worth more serially: the rounds run serially (ahead_pays) -- not drafted ahead at a loss, as where
+    the overlap was priced free. A dropped block's wait for its step in progress costs too; serial rounds
+    that draft let what the pipelined ones measured relax, so a contention that passes is found out."""
+    table = [1.0 + 0.3 * i for i in range(12)]  # a CPU in fp32: each verified token costs 0.3 of a step
+    step_s = 0.05
+    c = 0.5
+    model = CostModel(cost_ratio=c, measured=True, verify_costs=table)
+    model.pipelined = True
+    k, a = 3, 0.95
+    assert model.ahead_pays(k, a) and model.rate(k, a) > _serial_rate_at(model, k, a) > 1.0
+    free = model.rate(k, a)
+    for _ in range(30):  # overlapped verifications of k + 1 tokens at 1.6x their time alone
+        model.observe_time(0, 0.0, k + 1, 1.6 * model.vcost(k + 1) * step_s, step_s, overlapped=True)
+    assert model.scale_o == pytest.approx(1.6, rel=0.01) and model.scale_v == 1.0
+    assert not model.ahead_pays(k, a)
+    assert model.rate(k, a) == pytest.approx(_serial_rate_at(model, k, a)) and model.rate(k, a) < free
+    # a little contention: still pipelined, priced lower, lower still with a dropped block's wait
+    little = CostModel(cost_ratio=c, measured=True, verify_costs=table)
+    little.pipelined = True
+    little.scale_o = 1.1
+    assert little.ahead_pays(k, a) and little.rate(k, a) < free
+    before = little.rate(k, a)
+    for _ in range(30):
+        little.observe_time(0, 0.0, k + 1, 1.1 * little.vcost(k + 1) * step_s, step_s, overlapped=True,
+                            drop_s=0.5 * step_s)
+    assert little.drop_wait == pytest.approx(0.5, rel=0.01) and little.rate(k, a) < before
+    # serial drafting rounds relax what the pipelined ones measured: pipelining is tried again
+    for _ in range(200):
+        model.observe_time(k, k * c * step_s, k + 1, model.vcost(k + 1) * step_s, step_s)
+    assert model.scale_o == pytest.approx(1.0, abs=0.01) and model.ahead_pays(k, a)
 
 
 def _serial_rate_at(model: CostModel, k: int, a: float) -> float:
