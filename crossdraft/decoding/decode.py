@@ -253,6 +253,7 @@ class Decoder(Pipelining):
             pol.drafter_missed(feed)  # (and a probe's cost counts that feed)
         elif req.spec:
             self._sync_drafter(req)
+            req.prefill = self._prefill_beside(req)  # (pipeline.py: the target's prefill beside the first block)
         if self.log and req.spec:
             view = pol.log_fields()
             self.log.write({"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k,
@@ -492,8 +493,8 @@ class Decoder(Pipelining):
             parts = {"gap": gap, "draft_rpc": draft_wall - draft_on_path - drafted.map_s if not was_ahead else 0.0,
                      "map": drafted.map_s if not was_ahead else 0.0, "verify_rpc": verify_wall - res.forward_s}
             parts["loop"] = overhead - sum(parts.values())  # policy, emission, the drafter's edit, bookkeeping
-            self._log_round(req, round_index, kk, kd, n, res, draft_wall, verify_wall, skip_reason, predicted,
-                            req.step_s, overhead, d_queue, parts)
+            self.log.write(round_record(req, round_index, kk, kd, n, res, draft_wall, verify_wall, skip_reason,
+                                        predicted, req.step_s, overhead, d_queue, parts, self._running))
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=v_queue, draft_queue_s=d_queue, logprobs=lps, drafted_ahead=was_ahead,
@@ -591,9 +592,3 @@ class Decoder(Pipelining):
         req.k = req.policy.next_k(req.remaining(), d.unfed())
         if req.policy.costs.measured and drafted.target_ids:
             self._probes[req.mode] = req.policy.probe_record()
-
-    def _log_round(self, req: Request, round_index: int, kk: int, kd: int, n: int, res, draft_s: float,
-                   verify_s: float, skip_reason: str = "", predicted=None, step_s: float = 0.0,
-                   overhead_s: float = 0.0, draft_queue_s: float = 0.0, parts: dict | None = None) -> None:
-        self.log.write(round_record(req, round_index, kk, kd, n, res, draft_s, verify_s, skip_reason, predicted,
-                                    step_s, overhead_s, draft_queue_s, parts, self._running))

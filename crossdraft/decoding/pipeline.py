@@ -136,11 +136,13 @@ class Ahead:
 
 class CatchUp:
     """The drafter catching up on the tokens it missed (a sync with prefill of ``ids``), on a worker
-    thread while the caller verifies a round that drafted nothing."""
+    thread while the caller verifies a round that drafted nothing; or (``drafter`` False, the port the
+    verifier) the target computing the prompt's keys and values while the first block is drafted."""
 
-    def __init__(self, drafter, sid: str, ids: list[int]):
+    def __init__(self, drafter, sid: str, ids: list[int], is_drafter: bool = True):
         self.n = len(ids)
         self.waited_s = 0.0
+        self.is_drafter = is_drafter
         ctx = contextvars.copy_context()
         self._future: Future = Ahead._executor().submit(ctx.run, drafter.sync, sid, list(ids), True)
 
@@ -207,9 +209,24 @@ class Pipelining:
         sid, drafter = req.sid, self.drafter
         return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1, cancel)
 
+    def _prefill_beside(self, req: Request) -> CatchUp | None:
+        """A request that drafts its first block where the drafter computes on hardware of its own (not
+        colocated): the verifier computes the prompt's keys and values meanwhile -- a sync with prefill
+        -- instead of after the block arrives, so the two prefills overlap (None where that does not
+        apply)."""
+        if self.colocated or not req.spec or req.k <= 0 or len(req.t_ids) < 2:
+            return None
+        return CatchUp(self.verifier, req.sid, req.t_ids, is_drafter=False)
+
     def _catch_up(self, req: Request, kk: int) -> CatchUp | None:
         """A round that drafts nothing, after which the policy's next choice is a probe: feed the drafter
-        what it missed while this round is verified (None where nothing needs catching up)."""
+        what it missed while this round is verified (None where nothing needs catching up). The first
+        round of a request whose prompt the verifier prefills beside the first block waits for that
+        prefill here, before its verification (the wait is verifier time on the round's critical path)."""
+        if req.prefill is not None:
+            catch, req.prefill = req.prefill, None
+            catch.wait()
+            return catch
         if not (self.pipeline and req.spec and kk == 0 and req.d is not None and req.policy is not None):
             return None
         if req.d.unfed() <= 1 or not req.policy.probe_next():
@@ -218,7 +235,7 @@ class Pipelining:
 
     def _caught_up(self, req: Request, catch: CatchUp) -> None:
         """After the verification: the drafter holds the ids it was sent (unless the call failed)."""
-        if catch.wait():
+        if catch.is_drafter and catch.wait():
             req.d.sent, req.d.synced = catch.n, True
             req.stats.caught_up += 1
 

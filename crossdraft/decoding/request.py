@@ -14,7 +14,7 @@ from crossdraft.decoding.stats import GenerationResult, Stats
 from crossdraft.errors import InvalidArgument
 
 if TYPE_CHECKING:  # (annotations only: the pipeline's module imports this one)
-    from crossdraft.decoding.pipeline import Ahead
+    from crossdraft.decoding.pipeline import Ahead, CatchUp
     from crossdraft.decoding.stats import RoundEvent
 
 
@@ -66,6 +66,8 @@ class Request:
     ready: Drafted | None = None
     ahead: Ahead | None = None
     drop_bonus: bool = False
+    # the target's prefill of the prompt, computed while the first block is drafted (CatchUp on the verifier)
+    prefill: CatchUp | None = None
     # when the previous round ended (perf_counter; 0.0 before the first): the time until the next round
     # starts is the front end's handling of that round's event, and counts in the next round's overhead
     t_end: float = 0.0

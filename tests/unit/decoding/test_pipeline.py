@@ -157,6 +157,42 @@ def test_the_next_block_is_drafted_while_this_one_is_verified(close, monkeypatch
     assert len(overlapped) == out.stats.pipelined_blocks + out.stats.dropped_blocks
 
 
+def test_the_targets_prefill_runs_while_the_first_block_is_drafted(close):
+    """A drafter on hardware of its own (not colocated): the verifier computes the prompt's keys and values
+    (a sync with prefill) while the first block is drafted, not after it arrives -- work ordering, not
+    clocks: the prefill waits until the first draft call has begun and that call until the prefill has,
+    which only the two running at once allows. The text is the target-only text, pipelined or serial.
+    Colocated (the models share the cores), the first Verify prefills as before."""
+    drafting, prefilling = threading.Event(), threading.Event()
+    prefills: list[bool] = []
+    drafts: list[bool] = []
+
+    class Verifier(Counting):
+        def sync(self, sid, ids, *a, **kw):
+            if kw.get("prefill") or (a and a[0]):
+                prefilling.set()
+                prefills.append(drafting.wait(timeout=30))
+            return super().sync(sid, ids, *a, **kw)
+
+    class Drafter(Counting):
+        def draft(self, *a, **kw):
+            if not drafting.is_set() and not close.decoder.colocated:
+                drafting.set()
+                drafts.append(prefilling.wait(timeout=30))
+            return super().draft(*a, **kw)
+
+    ref = close.generate(PROMPTS[1], max_new_tokens=40, use_drafter=False)
+    close.decoder.verifier = Verifier(close.decoder.verifier)
+    close.decoder.drafter = Drafter(close.decoder.drafter)
+    for colocated, pipelined in ((False, False), (False, True), (True, False)):
+        close.decoder.colocated = colocated
+        for x in (drafting, prefilling, prefills, drafts):
+            x.clear()
+        out = _gen(close, PROMPTS[1], pipelined)
+        assert out.token_ids == ref.token_ids
+        assert prefills == drafts == ([] if colocated else [True])
+
+
 def test_dropped_blocks_roll_back_without_a_resync(close, monkeypatch):
     """A block drafted ahead of a block that is not accepted whole is cut from the drafter's cache by
     the next edit: no re-sync of either server, no cache repair, the verifier drops its own token of
