@@ -436,10 +436,10 @@ class Decoder(Pipelining):
         t_verify = time.perf_counter()
         try:
             res = self._verify(req, drafted, round_index)
-        finally:
+        finally:  # (the verification's wall time ends here: a catch-up's wait is the drafter's, on_path below)
+            verify_wall = time.perf_counter() - t_verify
             if catch is not None:
                 self._caught_up(req, catch)
-        verify_wall = time.perf_counter() - t_verify
         kd, n = len(drafted.target_ids), res.num_accepted
         ahead, req.ahead = req.ahead, None
         following = self._take_ahead(req, ahead, kd, n, remaining) if ahead is not None else None

@@ -15,6 +15,7 @@ import threading
 import pytest
 
 from crossdraft.decoding import pipeline as P
+from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.engine import DraftConfig, Engine
 from tests.tiny_models import tiny_lm
 
@@ -122,3 +123,40 @@ def test_the_catch_up_runs_while_the_round_is_verified(hopeless, monkeypatch):
         dec.verifier, dec.pipeline = verifier, False
     assert overlapped and all(overlapped)
     assert len(overlapped) == out.stats.caught_up
+
+
+def test_a_catch_up_that_outlasts_the_verification_is_not_counted_as_verifier_time(hopeless, tmp_path):
+    """A drafter that catches up more slowly than the target verifies (a long history on a slow core): the
+    round waits for it, and that wait is the drafter's -- not the verification's wall time, whose ratio to
+    the cost table corrects the target's price (scale_v: counted there, a probe's catch-up would make the
+    target look slow and drafting cheap), and not overhead. The catch-up here takes 0.5 s more than it
+    would; the tiny target verifies in milliseconds."""
+    import json
+    import time
+
+    from crossdraft.decoding.roundlog import RoundLog
+
+    dec = hopeless.decoder
+    inner = dec.drafter
+
+    class Slow(Recording):
+        def sync(self, sid, ids, prefill=False):
+            if prefill:
+                time.sleep(0.5)
+            return super().sync(sid, ids, prefill)
+
+    log = tmp_path / "rounds.jsonl"
+    try:
+        dec.drafter, dec.pipeline, dec.log = Slow(inner), True, RoundLog(str(log))
+        events = list(dec.run("slow-catch-up", list(hopeless.target.tokenizer(PROMPT)["input_ids"]),
+                              list(hopeless.drafter.tokenizer(PROMPT)["input_ids"]), max_new_tokens=80,
+                              params=SamplingParams(), seed=0, draft=STATIC))
+        dec.log.flush()
+    finally:
+        dec.drafter, dec.pipeline, dec.log = inner, False, RoundLog(None)
+    recs = [json.loads(line) for line in log.read_text().splitlines() if '"round"' in line]
+    assert len(recs) == len(events)
+    slow = [i for i, ev in enumerate(events) if ev.wall_s > 0.45]
+    assert slow, "no round waited for a catch-up"
+    for i in slow:
+        assert recs[i]["verify_s"] < 0.25 and events[i].overhead_s < 0.25, (recs[i], events[i])
