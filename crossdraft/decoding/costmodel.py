@@ -170,8 +170,10 @@ class CostModel:
         d = self.time_decay
         b = self.batch
         if verify_s > 0 and m >= 1 and overlapped:  # (the verification alone is scale_v's)
+            # (at least 1: running beside the drafter does not speed a verification up; a ratio below 1 is
+            # the table's error for blocks of m tokens, which scale_v, fitted mostly on other sizes, leaves)
             ratio = verify_s / (self.fwd(b, m) * target_step_s * self.scale_v)
-            self.scale_o = d * self.scale_o + (1 - d) * min(self.max_scale, max(0.5, ratio))
+            self.scale_o = d * self.scale_o + (1 - d) * min(self.max_scale, max(1.0, ratio))
             if drop_s is not None:
                 self.drop_wait = d * self.drop_wait + (1 - d) * drop_s / target_step_s
         elif verify_s > 0 and m >= 1:  # the batch's forward: B rows of m tokens
