@@ -140,6 +140,14 @@ class CostModel:
         """Cost of a drafter forward over one row of n tokens (a catch-up feed), in drafter steps."""
         return interpolate_cost(self.d, n, 1.0) if self.d else max(1.0, n)
 
+    def feed_fits(self, n: int) -> bool:
+        """Whether the drafter takes in ``n`` tokens it missed (one forward) within a target decoding step
+        (measured costs; static ones cannot tell, and say yes): a catch-up of them during the verification
+        of a round that drafts nothing then stays off the round's critical path."""
+        if not self.measured:
+            return True
+        return self.c * self.scale_d * self.dfeed(n) <= self.scale_v * self.fwd(self.load()[0], 1)
+
     def steps_per_token(self) -> float:
         """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""
         return min(8.0, max(0.25, self.step_sum / max(1e-6, self.tok_sum)))

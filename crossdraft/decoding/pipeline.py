@@ -229,7 +229,9 @@ class Pipelining:
             return catch
         if not (self.pipeline and req.spec and kk == 0 and req.d is not None and req.policy is not None):
             return None
-        if req.d.unfed() <= 1 or not req.policy.probe_next():
+        # (a history the drafter would take longer to take in than the target verifies one token is not
+        # caught up: the wait would be on this round's path, and the probe then prices that feed itself)
+        if req.d.unfed() <= 1 or not req.policy.probe_next() or not req.policy.costs.feed_fits(req.d.unfed()):
             return None
         return CatchUp(self.drafter, req.sid, req.d.ids)
 

@@ -160,3 +160,19 @@ def test_a_catch_up_that_outlasts_the_verification_is_not_counted_as_verifier_ti
     assert slow, "no round waited for a catch-up"
     for i in slow:
         assert recs[i]["verify_s"] < 0.25 and events[i].overhead_s < 0.25, (recs[i], events[i])
+
+
+def test_a_catch_up_runs_only_where_the_drafter_takes_the_history_in_within_a_target_step():
+    """Measured costs: the drafter takes in a few missed tokens within a target step (the catch-up hides in
+    the verification), but a long history on a drafter whose feed costs half a step and more per 10 tokens
+    would be waited for; there the catch-up is left to the probe, which prices that feed. Static costs
+    cannot tell, and catch up."""
+    from crossdraft.decoding.costmodel import CostModel
+
+    table = [1.0 + 0.1 * i for i in range(8)]  # the drafter's forward of n tokens, in its own steps
+    m = CostModel(cost_ratio=0.5, measured=True, verify_costs=[1.0 + 0.1 * i for i in range(8)], drafter_costs=table)
+    assert m.feed_fits(1) and m.feed_fits(8)
+    assert not m.feed_fits(40) and not m.feed_fits(200)
+    m.scale_v = 3.0  # (a slower target than its table says: more time to hide the feed in)
+    assert m.feed_fits(40)
+    assert CostModel(cost_ratio=0.5, drafter_costs=table).feed_fits(200)
