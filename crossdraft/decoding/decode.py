@@ -301,6 +301,9 @@ class Decoder(Pipelining):
                 except Exception:  # noqa: BLE001 -- its outcome no longer matters, only that it ended
                     pass
                 req.ahead = None
+            if req.prefill is not None:  # (and a prefill beside a first block, before the session's end)
+                with suppress(Exception):
+                    req.prefill.wait()
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
