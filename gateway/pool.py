@@ -224,19 +224,20 @@ class PoolPriors:
         """A request of class `cls` ran target-only because its class's estimates said no kind pays
         (PoolChoice.none_pays): every kind of the class ages, so that after STALE such requests the
         estimates expire and a request of the class measures the kinds again."""
-        with self._lock:
-            self._cls[cls] = blend_priors(self._cls.get(cls, {}), {}, {})
-        self._shared(lambda: self._learn_shared(cls, {}, {}))
+        self._blend(cls, {}, {})
 
     def learn(self, cls: str, measured: dict, models: dict | None = None) -> None:
         """A request of class `cls` finished with `measured` ({kind: estimate}, only the kinds its own rounds
         measured; `models`: {kind: model}): move the class's estimates toward them; kinds it did not measure
         age."""
-        if not measured:
-            return
+        if measured:
+            self._blend(cls, measured, models or {})
+
+    def _blend(self, cls: str, measured: dict, models: dict) -> None:
+        """This gateway's copy and the shared estimates of class `cls` after a request (blend_priors)."""
         with self._lock:
-            self._cls[cls] = blend_priors(self._cls.get(cls, {}), measured, models or {})
-        self._shared(lambda: self._learn_shared(cls, measured, models or {}))
+            self._cls[cls] = blend_priors(self._cls.get(cls, {}), measured, models)
+        self._shared(lambda: self._learn_shared(cls, measured, models))
 
     def _learn_shared(self, cls: str, measured: dict, models: dict) -> None:
         with self._r.pipeline() as pipe:
@@ -324,9 +325,13 @@ class PoolChoice:
         e = self.est.get(name)
         return e["s"] / e["t"] if e and e.get("t", 0) > 0 else 0.0
 
+    def live(self) -> list[str]:
+        """The kinds this request may still use (its drafter did not fail, it had a ready replica)."""
+        return [n for n in self.order if n not in self.down]
+
     def candidates(self) -> list[str]:
         """The kinds this request may still use, best first: measured ones by value, then the prior order."""
-        live = [n for n in self.order if n not in self.down]
+        live = self.live()
         known = sorted((n for n in live if self.measured(n)), key=lambda n: -self.value(n))
         return [n for n in known if self.value(n) > 1.0] + [n for n in live if not self.measured(n)] + \
             [n for n in known if self.value(n) <= 1.0]
@@ -336,7 +341,7 @@ class PoolChoice:
         worth drafting: it runs target-only, not paying for a drafter's session, probes and a policy's
         rounds on the way to the same answer (similar requests measure the kinds again once the class's
         estimates expire: PoolPriors.age)."""
-        live = [n for n in self.order if n not in self.down]
+        live = self.live()
         return self.prior and bool(live) and all(self.measured(n) and self.value(n) <= 1.0 for n in live)
 
     def first(self) -> list[str]:
@@ -376,7 +381,7 @@ class PoolChoice:
             return self._move(req, "failover", [n for n in self.candidates() if n != cur])
         if self.since < DWELL or not self.measured(cur):
             return None
-        live = [n for n in self.order if n not in self.down]
+        live = self.live()
         untried = [n for n in live if n != cur and not self.measured(n)]
         poor = self.alpha(cur) < GOOD_ALPHA or self.value(cur) <= 1.0
         if untried and poor:

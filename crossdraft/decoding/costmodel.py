@@ -251,14 +251,9 @@ class CostModel:
         this session's estimate for all."""
         if k == 0:
             return 1.0
-        e = expected_tokens(a, k)
         b, n = self.load()
         c = self.c * self.scale_d * self.steps_per_token()
-        per = self._serial(k, b, c)
-        if self.pipelines():  # a round of k runs pipelined where that beats running it serially (ahead_pays)
-            pe, pper = self._pipelined(k, a, e, b, c)
-            if pe * pper > e * per:
-                e, per = pe, pper
+        e, per, _ = self._round(k, a, b, c)
         if n >= b:
             return e * per
         alone = 1.0 + b * (self.agg(k, e, n, b, c) - 1.0) / n
@@ -283,9 +278,17 @@ class CostModel:
         forwards, and the pipelined round's rate beats the serial one's (:meth:`rate` prices it so)."""
         if k <= 0 or not self.pipelines():
             return False
-        e, c, b = expected_tokens(a, k), self.c * self.scale_d * self.steps_per_token(), self.load()[0]
-        pe, pper = self._pipelined(k, a, e, b, c)
-        return pe * pper > e * self._serial(k, b, c)
+        return self._round(k, a, self.load()[0], self.c * self.scale_d * self.steps_per_token())[2]
+
+    def _round(self, k: int, a: float, b: float, c: float) -> tuple[float, float, bool]:
+        """(tokens, tokens per target step per token, pipelined) of a round of k at acceptance a, b sessions
+        drafting alike (c: a drafter step's cost): serial, or pipelined where that is on and beats it."""
+        e, per = expected_tokens(a, k), self._serial(k, b, c)
+        if self.pipelines():
+            pe, pper = self._pipelined(k, a, e, b, c)
+            if pe * pper > e * per:
+                return pe, pper, True
+        return e, per, False
 
     def _serial(self, k: int, b: float, c: float) -> float:
         """Tokens per target step per token of serial rounds of k, b sessions drafting alike (c: a drafter

@@ -136,15 +136,15 @@ class Ahead:
 
 class CatchUp:
     """The drafter catching up on the tokens it missed (a sync with prefill of ``ids``), on a worker
-    thread while the caller verifies a round that drafted nothing; or (``drafter`` False, the port the
+    thread while the caller verifies a round that drafted nothing; or (``is_drafter`` False, ``port`` the
     verifier) the target computing the prompt's keys and values while the first block is drafted."""
 
-    def __init__(self, drafter, sid: str, ids: list[int], is_drafter: bool = True):
+    def __init__(self, port, sid: str, ids: list[int], is_drafter: bool = True):
         self.n = len(ids)
         self.waited_s = 0.0
         self.is_drafter = is_drafter
         ctx = contextvars.copy_context()
-        self._future: Future = Ahead._executor().submit(ctx.run, drafter.sync, sid, list(ids), True)
+        self._future: Future = Ahead._executor().submit(ctx.run, port.sync, sid, list(ids), True)
 
     def wait(self) -> bool:
         """Whether the drafter now holds the ids (False: the call failed; the probe's own draft then
