@@ -7,13 +7,16 @@ One run, side by side on the same machine and prompts (HumanEval), greedy and sa
   its gateway with ``--pipeline off``: draft, then verify;
 * ``pipelined``    -- the same model servers, a second gateway with ``--pipeline on``: the next block is
   drafted while this one is verified;
+* ``branch``       -- the same model servers, a third gateway with ``--pipeline on --branch on``: beside
+  each block ahead, the block after the likeliest correction (greedy rounds of one vocabulary);
 * ``default``      -- today's default a user has: both model servers unpinned (all cores each), the
   gateway's ``--pipeline auto`` (two servers on the loopback are colocated: serial);
 * ``pipelined-unpinned`` -- the unpinned model servers with ``--pipeline on`` (both models' threads
   then compete for all the cores: what ``auto`` avoids).
 
 For each of 1 and 16 clients (``--clients``) and each temperature: tokens/s, acceptance, overhead per
-round (the gateway's ``overhead_ms`` / rounds), blocks pipelined and dropped; greedy texts are compared
+round (the gateway's ``overhead_ms`` / rounds), blocks pipelined and dropped, branches drafted and
+used; greedy texts are compared
 between modes (the same prompt gives the same text in every mode). The modes run in rotating order
 per repeat, so a slow drift of the machine hits all alike.
 
@@ -46,7 +49,7 @@ from bench_concurrency import point  # noqa: E402
 from benchmarks.machineclass import result_name  # noqa: E402
 from tests.service_fixtures import Services  # noqa: E402
 
-MODES = ("target-only", "serial", "pipelined", "default", "pipelined-unpinned")
+MODES = ("target-only", "serial", "pipelined", "branch", "default", "pipelined-unpinned")
 
 
 def start(s: Services, a) -> dict:
@@ -62,6 +65,9 @@ def start(s: Services, a) -> dict:
     urls = {}
     _, urls["serial"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "off"], drafter_timeout_s=120)
     _, urls["pipelined"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "on"], drafter_timeout_s=120)
+    if "branch" in a.modes.split(","):
+        _, urls["branch"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "on", "--branch", "on"],
+                                         drafter_timeout_s=120)
     _, urls["default"], _ = s.gateway(v_all, d_all, drafter_timeout_s=120)
     _, urls["pipelined-unpinned"], _ = s.gateway(v_all, d_all, extra=["--pipeline", "on"], drafter_timeout_s=120)
     urls["target-only"] = urls["serial"]
@@ -87,7 +93,8 @@ def run_point(urls: dict, mode: str, ps: list[str], a, clients: int, temperature
     p.update(mode=mode, temperature=temperature,
              overhead_ms_per_round=sum(x.get("overhead_ms", 0.0) for x in st) / rounds if rounds else 0.0,
              pipelined_blocks=sum(x.get("pipelined_blocks", 0) for x in st),
-             dropped_blocks=sum(x.get("dropped_blocks", 0) for x in st), stats_rounds=rounds)
+             dropped_blocks=sum(x.get("dropped_blocks", 0) for x in st), stats_rounds=rounds,
+             branches=sum(x.get("branches", 0) for x in st), branch_blocks=sum(x.get("branch_blocks", 0) for x in st))
     return p
 
 
@@ -102,6 +109,8 @@ def summarize(points: list[dict]) -> dict:
         row = {"temperature": temp, "clients": clients, **{f"{m}_tok_s": round(v, 3) for m, v in med.items()}}
         if med.get("serial"):
             row["pipelined_vs_serial"] = round(med.get("pipelined", 0.0) / med["serial"], 3)
+        if med.get("branch") and med.get("pipelined"):
+            row["branch_vs_pipelined"] = round(med["branch"] / med["pipelined"], 3)
         if med.get("default"):
             row["pipelined_vs_default"] = round(med.get("pipelined", 0.0) / med["default"], 3)
             row["serial_vs_default"] = round(med.get("serial", 0.0) / med["default"], 3)
@@ -137,10 +146,11 @@ def plot(res: dict, path: Path) -> bool:
     rows = res["summary"]["rows"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [f"{r['clients']} client(s)\nT={r['temperature']:g}" for r in rows]
-    width = 0.16
-    for i, mode in enumerate(MODES):
-        ax.bar([x + (i - 2) * width for x in range(len(rows))], [r.get(f"{mode}_tok_s", 0) for r in rows], width,
-               label=mode)
+    shown = [m for m in MODES if any(f"{m}_tok_s" in r for r in rows)]
+    width = 0.8 / len(shown)
+    for i, mode in enumerate(shown):
+        ax.bar([x + (i - (len(shown) - 1) / 2) * width for x in range(len(rows))],
+               [r.get(f"{mode}_tok_s", 0) for r in rows], width, label=mode)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("aggregate completion tokens/s")
@@ -192,6 +202,7 @@ def main() -> None:
                         print(f"clients={c} T={temp:g} {mode:12s} {p['tokens_per_s']:7.2f} tok/s  acc "
                               f"{p['acceptance']:.2f}  overhead {p['overhead_ms_per_round']:.2f} ms/round  "
                               f"pipelined {p['pipelined_blocks']} dropped {p['dropped_blocks']}  "
+                              f"branches {p['branch_blocks']}/{p['branches']}  "
                               f"failed {p['failed']}", flush=True)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "drafter_cpus": a.drafter_cpus,

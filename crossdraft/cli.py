@@ -91,6 +91,9 @@ def _add_sampling_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", choices=PIPELINE_CHOICES, default="auto",
                    help="pipelined rounds: draft each block's successor while the block is verified; auto = off in "
                         "process, where both models share this machine's cores")
+    p.add_argument("--branch", choices=["on", "off"], default="off",
+                   help="pipelined greedy rounds of one vocabulary: also draft the block after each block's "
+                        "likeliest correction (the drafter's second choice where it most likely misses)")
     p.add_argument("--draft-vocab", type=_int_arg("--draft-vocab", 0), default=DEFAULT_DRAFT_VOCAB,
                    help="the drafter drafts from its this many most frequent tokens only (its LM head is pruned "
                         f"to them: cheaper steps; lossless either way); 0 = all (default: {DEFAULT_DRAFT_VOCAB})")
@@ -263,7 +266,7 @@ def cmd_generate(a) -> int:
                              quantize=getattr(a, "drafter_quantize", "auto"),
                              cpu_linear=getattr(a, "cpu_linear", None))
     engine = Engine(target, drafter, draft_vocab=getattr(a, "draft_vocab", DEFAULT_DRAFT_VOCAB),
-                    pipeline=getattr(a, "pipeline", "auto"))
+                    pipeline=getattr(a, "pipeline", "auto"), branch=getattr(a, "branch", "off"))
     prompt = a.prompt
     if a.chat:
         res = engine.generate_chat([{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,

@@ -34,7 +34,7 @@ class Engine:
     """
 
     def __init__(self, target, drafter=None, *, mapping=None, vocab_cache_dir=None,
-                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, pipeline: str = "auto"):
+                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, pipeline: str = "auto", branch: str = "off"):
         self.target = target
         self.drafter = drafter
         self.pair = TokenPair(target.tokenizer, drafter.tokenizer if drafter is not None else None,
@@ -46,7 +46,7 @@ class Engine:
         self.drafter_worker = DrafterWorker(drafter, cfg) if drafter is not None else None
         self.decoder = Decoder(self.pair, self.verifier, self.drafter_worker, eos_ids=target.eos_token_ids,
                                max_context=self.verifier.max_context, check_context=False,
-                               pipeline=pipeline_on(pipeline, colocated=True))
+                               pipeline=pipeline_on(pipeline, colocated=True), branch=branch == "on")
         if self.drafter_worker is not None:  # time the forwards now, not inside the first request
             self.verifier.timings()
             self.drafter_worker.timings()

@@ -72,7 +72,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
                             int(request.round_index), params, int(request.seed), float(request.stop_below),
                             request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
-                            position=int(request.position) or -1)
+                            position=int(request.position) or -1, runner_up=bool(request.runner_up))
 
     def Draft(self, request, context):
         w = self.state.get()
@@ -108,6 +108,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             price = wire.price_to_proto(w.price())
             if price is not None:
                 msg.price.CopyFrom(price)
+        if tok.alt >= 0:
+            msg.prob, msg.runner_up_id, msg.runner_up_prob = tok.prob, tok.alt, tok.alt_prob
         if tok.q_ids is not None:
             msg.q_token_ids.extend(tok.q_ids.tolist())
             msg.q_probs.extend(tok.q_probs.tolist())

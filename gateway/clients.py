@@ -229,14 +229,14 @@ class RemoteDrafter(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
-              stop_cumulative=0.0, heal=False, position=-1, cancel=None):
+              stop_cumulative=0.0, heal=False, position=-1, cancel=None, runner_up=False):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back. cancel:
         ``is_set()`` is asked once after each token received (DrafterPort.draft); True cancels the stream
         there (the drafter stops that block: DrafterWorker.draft_iter)."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
                                        allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal,
-                                       position=max(0, position))
+                                       position=max(0, position), runner_up=runner_up)
         if edit is not None:
             req.edit.keep = edit[0]
             req.edit.append.extend(edit[1])
@@ -279,7 +279,8 @@ class RemoteDrafter(_Remote):
             q_ids = np.asarray(t.q_token_ids, dtype=np.int64) if len(t.q_token_ids) else None
             q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
             toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
-                                   heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3))
+                                   heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3, prob=t.prob,
+                                   alt=t.runner_up_id if t.runner_up_prob > 0 else -1, alt_prob=t.runner_up_prob))
             if t.last:
                 self._price = wire.price_from_proto(t) or self._price
         return toks

@@ -42,6 +42,9 @@ class GatewayConfig:
     # pipelined rounds (crossdraft.decoding.pipeline): each block's successor is drafted while it is
     # verified; "auto" = on where the drafter does not share the verifier's hardware (see colocated)
     pipeline: str = "auto"
+    # (pipelined greedy TLI rounds) "on" = a branch beside each block ahead, on the block's likeliest
+    # correction (crossdraft.decoding.pipeline.Branch); "off" = none
+    branch: str = "off"
     # the load gate (crossdraft.decoding.gate; experimental): "on" = drafting is held at a load where
     # target-only rounds measure more goodput; "off" = the draft-length policy alone decides
     load_gate: str = "off"

@@ -228,7 +228,7 @@ class Gateway:
         return Decoder(k.pair if k is not None else self.pair, v, d, eos_ids=self.eos_ids,
                        max_context=self.max_context, check_context=True, drafter_timeout_s=self.cfg.drafter_timeout_s,
                        round_log=self.cfg.round_log, colocated=co, pipeline=pipeline_on(self.cfg.pipeline, co),
-                       name=k.name if k is not None else "", gate=gate)
+                       name=k.name if k is not None else "", gate=gate, branch=self.cfg.branch == "on")
 
     # ---- readiness ---------------------------------------------------------------------------
     def readiness(self, max_age_s: float = 1.0) -> tuple[bool, dict]:

@@ -55,7 +55,8 @@ class Metrics:
         # next; dropped: the block before them was not accepted whole)
         self.ahead = Counter("crossdraft_blocks_drafted_ahead_total",
                              "Blocks drafted while the block before them was verified (pipelined rounds), by "
-                             "outcome: used (verified next) or dropped", ["outcome"], registry=r)
+                             "outcome: used (verified next), dropped, or branch (dropped, and the branch drafted "
+                             "beside it on the likeliest correction verified next)", ["outcome"], registry=r)
         # a pool of drafter kinds (gateway/pool.py): each request's choices of kind, and each kind's drafts
         self.pool_choices = Counter("crossdraft_drafter_choices_total",
                                     "Drafter kinds chosen for requests, by kind and outcome: start (a request's first "
@@ -159,7 +160,8 @@ def stats_dict(stats) -> dict:
         "accepted": d["accepted"], "acceptance_rate": d["acceptance_rate"],
         "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
         "skipped_rounds": d["skipped_rounds"], "pipelined_blocks": d["pipelined_blocks"],
-        "dropped_blocks": d["dropped_blocks"], "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
+        "dropped_blocks": d["dropped_blocks"], "branches": d["branches"], "branch_blocks": d["branch_blocks"],
+        "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
         "verify_ms": d["verify_s"] * 1e3, "draft_queue_ms": d["draft_queue_s"] * 1e3,
         "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3,
@@ -173,7 +175,8 @@ def add_stats(total: dict, s: dict) -> dict:
     """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "pipelined_blocks", "dropped_blocks",
-              "caught_up", "prefill_ms", "draft_ms", "verify_ms", "draft_queue_ms", "verify_queue_ms",
+              "branches", "branch_blocks", "caught_up", "prefill_ms", "draft_ms", "verify_ms", "draft_queue_ms",
+              "verify_queue_ms",
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens", "drafter_switches"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0

@@ -91,6 +91,10 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="pipelined rounds: draft each block's successor while the block is verified (drafting off "
                         "the critical path); auto = on where the drafter does not share the verifier's hardware "
                         "(not --colocated) (env CROSSDRAFT_PIPELINE)")
+    p.add_argument("--branch", choices=("on", "off"), default=_env("BRANCH", "off"),
+                   help="pipelined greedy rounds of one vocabulary: beside each block's successor, also draft the "
+                        "block after the likeliest correction of this one (the drafter's second choice where it "
+                        "most likely misses), used when the verification makes that correction (env CROSSDRAFT_BRANCH)")
     p.add_argument("--load-gate", choices=("on", "off"), default=_env("LOAD_GATE", "off"),
                    help="experimental: under load, hold drafting where target-only rounds measure more goodput at "
                         "that load (per verifier and load level, re-tried now and then; docs/design.md); off (the "
@@ -201,6 +205,8 @@ def config_from_args(a) -> GatewayConfig:
         raise InvalidArgument("colocated", f"must be one of auto, yes, no; got {a.colocated!r}")
     if a.load_gate not in ("on", "off"):
         raise InvalidArgument("load_gate", f"must be one of on, off; got {a.load_gate!r}")
+    if a.branch not in ("on", "off"):
+        raise InvalidArgument("branch", f"must be one of on, off; got {a.branch!r}")
     if a.pipeline not in PIPELINE_CHOICES:
         raise InvalidArgument("pipeline", f"must be one of {', '.join(PIPELINE_CHOICES)}; got {a.pipeline!r}")
     pool, pool_services, d_tok, pool_toks = pool_args(a, _env)
@@ -248,6 +254,7 @@ def config_from_args(a) -> GatewayConfig:
                          drafter_timeout_s=a.drafter_timeout_s, connect_timeout_s=a.connect_timeout_s,
                          drafter_start_wait_s=a.drafter_start_wait_s,
                          round_log=a.round_log, colocated=a.colocated, pipeline=a.pipeline, load_gate=a.load_gate,
+                         branch=a.branch,
                          draft_vocab=a.draft_vocab,
                          max_new_tokens_limit=a.max_new_tokens_limit,
                          default_max_new_tokens=a.default_max_new_tokens, default_temperature=a.default_temperature,

@@ -44,7 +44,7 @@ class Decoder(Pipelining):
     def __init__(self, pair: TokenPair, verifier: VerifierPort, drafter: DrafterPort | None = None, *, eos_ids=(),
                  max_context: int = 0, check_context: bool = True, drafter_timeout_s: float | None = None,
                  round_log: str | None = None, colocated: bool = True, pipeline: bool = False, name: str = "",
-                 gate: LoadGate | None = None):
+                 gate: LoadGate | None = None, branch: bool = False):
         self.pair = pair
         # the drafter kind this Decoder drafts with, in a gateway's pool of kinds ("" = the only one)
         self.name = name
@@ -70,6 +70,7 @@ class Decoder(Pipelining):
         self.colocated = bool(colocated)
         # pipelined rounds (crossdraft.decoding.pipeline): each block's successor is drafted while it is verified
         self.pipeline = bool(pipeline)
+        self.branch = bool(branch)  # and (greedy TLI) a branch beside the block ahead (pipeline.Branch)
         self._lock = threading.Lock()
         # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
         # rounds corrected them: a new request starts from there instead of from the cost tables
@@ -159,6 +160,8 @@ class Decoder(Pipelining):
             kw["heal"] = True
         if params.coupled:  # the target-side position of the first proposal (coupled draws)
             kw["position"] = len(req.t_ids)
+        if self._branching(req):  # (the drafter's second choices: a pipelined block's branch)
+            kw["runner_up"] = True
         try:
             toks = self.drafter.draft(req.sid, d.pending(), self._expect(d.ids), **kw)
         except (NotFound, FailedPrecondition):
@@ -294,16 +297,7 @@ class Decoder(Pipelining):
             dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
             with dec._lock:
                 dec._reqs.pop(id(req), None)
-            if req.ahead is not None:  # a run closed mid-round: its drafter call ends before the session's next
-                req.ahead.cancel()
-                try:
-                    req.ahead.wait()
-                except Exception:  # noqa: BLE001 -- its outcome no longer matters, only that it ended
-                    pass
-                req.ahead = None
-            if req.prefill is not None:  # (and a prefill beside a first block, before the session's end)
-                with suppress(Exception):
-                    req.prefill.wait()
+            self._end_calls(req)  # (pipeline.py: the calls beside its rounds end before the session's next)
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
         self._start(req, round_index)
@@ -482,11 +476,14 @@ class Decoder(Pipelining):
             self._follow(req, drafted, following)
         elif not done and req.spec:
             self._next_block(req, drafted, n, res.next_token)
+        br = req.branch  # (the block beside the one ahead, on the likeliest correction: the next block if it came true)
+        taken = br is not None and self._take_branch(req, n, res.next_token, done)
         # Overhead: the round's wall time (from the end of the previous round, so that the front end's
         # handling of its event counts) minus the model time on its critical path -- the verification and
         # the drafting done in this round (forwards and their waits in the servers' queues), the part of
         # the block drafted ahead that the round waited for, and the wait for a catch-up
         on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0) + (catch.waited_s if catch else 0.0)
+        on_path += br.ahead.on_path_s() if taken else 0.0
         t_end = time.perf_counter()
         overhead = t_end - t_round + gap - res.forward_s - on_path
         stats.overhead_s += overhead
@@ -501,7 +498,7 @@ class Decoder(Pipelining):
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=v_queue, draft_queue_s=d_queue, logprobs=lps, drafted_ahead=was_ahead,
-                          ahead="" if ahead is None else "used" if following is not None else "dropped",
+                          ahead="" if ahead is None else "used" if following else "branch" if taken else "dropped",
                           skip_reason=skip_reason, speculative=req.spec, wall_s=t_end - t_round + gap,
                           predicted_tokens=predicted[0] if predicted else 0.0,
                           predicted_s=predicted[1] * req.step_s if predicted else 0.0,

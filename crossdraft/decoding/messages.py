@@ -43,6 +43,10 @@ class DraftToken:
     last: bool = False  # the block ends with this proposal
     heals: bool = False  # (first token only) it replaces the session's last id (crossdraft.vocab.healing)
     queue_s: float = 0.0  # of forward_s, the time its forward waited for its batch (other sessions' steps)
+    # (asked for, greedy) its probability under the drafter, and the drafter's second choice there (-1: none)
+    prob: float = 0.0
+    alt: int = -1
+    alt_prob: float = 0.0
 
 
 @dataclass

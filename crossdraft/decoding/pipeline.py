@@ -18,6 +18,15 @@ lossless for rejection sampling, coupled draws and greedy decoding alike.
 :class:`Ahead` is one block drafted ahead (a call on a worker thread); :func:`can_draft_ahead` says
 whether a round's block can have a successor drafted before its outcome is known.
 
+A branch (greedy TLI rounds, the gateway's ``--branch``) covers the likeliest way the block is NOT
+accepted whole: from the drafter's own probabilities, the position j where the verification most
+likely first disagrees with it and the drafter's second choice there (the correction it expects);
+beside the block ahead, the drafter drafts the block after that correction on a fork of its session
+(the two calls share the drafter's batched steps). If the verification accepts exactly the proposals
+before j and the target's token at j is that second choice, the branch is the next block (the
+drafter's session becomes the fork); otherwise it is dropped. The round's own token is emitted as
+always: the branch only chooses what the next round verifies, and the target decides every token.
+
 The same overlap serves a drafter that is not drafting. While drafting does not pay, the drafter is
 fed nothing (target-only rounds), and the probe that re-measures it would first feed it every token
 it missed -- on the probe's critical path. So in the round before a probe is due, the drafter gets
@@ -28,9 +37,11 @@ and values), and the probe's first forward feeds only the round's own token.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 
 from crossdraft.decoding.drafter_view import block_in_target_ids
 from crossdraft.decoding.request import Drafted, Request
@@ -42,6 +53,10 @@ from crossdraft.vocab.pair import TokenPair
 MAX_AHEAD_THREADS = 256
 
 PIPELINE_CHOICES = ("auto", "on", "off")
+
+# a branch is drafted where the drafter's probabilities give it at least this chance of being the next
+# block (below it, its share of the drafter's steps slows the block ahead for little)
+BRANCH_MIN_HIT = 0.1
 
 
 def pipeline_on(setting: str, colocated: bool) -> bool:
@@ -159,6 +174,34 @@ class CatchUp:
             self.waited_s = time.perf_counter() - t0
 
 
+def branch_sid(sid: str) -> str:
+    """The drafter session id of `sid`'s branch (a valid session id whatever the length of `sid`)."""
+    return "b" + hashlib.blake2b(sid.encode(), digest_size=16).hexdigest()
+
+
+def likeliest_miss(toks: list) -> tuple[int, float]:
+    """(j, chance) of a greedy block's likeliest miss with a known correction: the first j proposals
+    accepted, the target's token at j the drafter's second choice there -- chance prod(prob[:j]) *
+    alt_prob[j] by the drafter's own probabilities ((-1, 0.0) where the tokens carry no second choice)."""
+    best, chance, kept = -1, 0.0, 1.0
+    for j, t in enumerate(toks):
+        if t.alt < 0:
+            return -1, 0.0
+        if kept * t.alt_prob > chance:
+            best, chance = j, kept * t.alt_prob
+        kept *= t.prob
+    return best, chance
+
+
+class Branch:
+    """A block drafted beside the block ahead, on the fork ``sid`` of the drafter's session, after the
+    proposals before ``j`` and the drafter's second choice at ``j`` (drafter id ``alt``, target id
+    ``alt_t``); ``ids`` the drafter's history it continues."""
+
+    def __init__(self, ahead: Ahead, sid: str, j: int, alt: int, alt_t: int, ids: list[int]):
+        self.ahead, self.sid, self.j, self.alt, self.alt_t, self.ids = ahead, sid, j, alt, alt_t, ids
+
+
 def can_draft_ahead(pair: TokenPair, proposals: list[int], target_ids: list[int], healed: bytes, text_mode: bool,
                     eos: set[int], remaining: int) -> bool:
     """Whether a block can have its successor drafted before it is verified: it ends no output (no EOS
@@ -207,7 +250,82 @@ class Pipelining:
         # the drafter holds d.ids (and this block's proposals in its cache): the edit commits them
         edit, expect = (len(d.ids), proposals), self._expect(d.ids + proposals)
         sid, drafter = req.sid, self.drafter
+        if self._branching(req):
+            kw["runner_up"] = True
+            self._branch(req, drafted, remaining, round_index, dict(kw))
         return Ahead(lambda: drafter.draft(sid, edit, expect, **kw), proposals, position, round_index + 1, cancel)
+
+    def _branching(self, req: Request) -> bool:
+        """Whether the request's blocks carry the drafter's second choices for branches (``--branch``,
+        greedy TLI rounds: a text-mode correction is a re-encoded tail, not one drafter id)."""
+        return self.branch and self.pipeline and req.params.greedy and not req.text_mode
+
+    def _branch(self, req: Request, drafted: Drafted, remaining: int, round_index: int, kw: dict) -> None:
+        """Start the branch of this block where its likeliest miss is likely enough (see Branch)."""
+        j, chance = likeliest_miss(drafted.tokens)
+        budget = remaining - (j + 1) - 1  # after the j kept proposals and the correction, one token kept
+        if j < 0 or chance < BRANCH_MIN_HIT or budget < 1:
+            return
+        alt = drafted.tokens[j].alt
+        alt_t = int(self.pair.d2t[alt])
+        if alt_t in self.eos:
+            return
+        d, sid, bsid, drafter = req.d, req.sid, branch_sid(req.sid), self.drafter
+        ids = d.ids + [t.id for t in drafted.tokens[:j]] + [alt]
+        edit, expect = (len(d.ids), ids[len(d.ids):]), self._expect(ids)
+        kw.update(k=min(req.k, budget, 64), cancel=Stop())
+
+        def call():
+            drafter.fork(sid, bsid)  # (the fork shares the session's cache: only the branch's own steps cost)
+            return drafter.draft(bsid, edit, expect, **kw)
+
+        req.branch = Branch(Ahead(call, [], len(req.t_ids) + j + 1, round_index + 1, kw["cancel"]), bsid, j, alt,
+                            alt_t, ids)
+        req.branch_on = drafter
+        req.stats.branches += 1
+
+    def _take_branch(self, req: Request, n: int, next_token: int, done: bool) -> bool:
+        """After the round's drafter edit: the branch is the next block if the verification kept exactly
+        its proposals and chose its correction (the drafter's session then becomes the branch's); else it
+        is dropped. Whether it was taken."""
+        br, req.branch = req.branch, None
+        if done or n != br.j or next_token != br.alt_t or req.d.ids != br.ids:
+            br.ahead.cancel()  # (not waited for: it drafts on its own session, which the next branch replaces)
+            return False
+        try:
+            toks = br.ahead.wait()
+            drafts_t, _ = block_in_target_ids(self.pair, toks, b"", req.remaining() - 1, False, False)
+            if not drafts_t or any(t in self.eos for t in drafts_t[:-1]):
+                return False
+            self.drafter.fork(br.sid, req.sid)
+        except (Unavailable, ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition):
+            return False  # the next round drafts as it would have
+        seconds = br.ahead.model_s = sum(t.forward_s for t in toks)
+        req.d.sent = len(req.d.ids)
+        req.ready = Drafted(toks, drafts_t, None, seconds, wall=max(0.0, br.ahead.t_end - br.ahead.t_start),
+                            queue_s=sum(t.queue_s for t in toks))
+        req.stats.branch_blocks += 1
+        req.stats.draft_s += seconds - req.ready.queue_s
+        req.stats.draft_queue_s += req.ready.queue_s
+        return True
+
+    def _end_calls(self, req: Request) -> None:
+        """A run ends (closed mid-round, too): its calls beside the rounds -- a block drafted ahead, its
+        branch, a prefill beside a first block -- end before the session's next use, and the drafter drops
+        the branch's session."""
+        for call in (req.ahead, req.branch.ahead if req.branch is not None else None):
+            if call is not None:
+                call.cancel()
+                with suppress(Exception):  # (its outcome no longer matters, only that it ended)
+                    call.wait()
+        req.ahead = req.branch = None
+        if req.prefill is not None:
+            with suppress(Exception):
+                req.prefill.wait()
+        if req.branch_on is not None:
+            with suppress(Exception):
+                req.branch_on.end(branch_sid(req.sid))
+            req.branch_on = None
 
     def _prefill_beside(self, req: Request) -> CatchUp | None:
         """A request that drafts its first block where the drafter computes on hardware of its own (not

@@ -70,11 +70,12 @@ class DrafterPort(ModelPort, Protocol):
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
               timeout_s: float | None = None, stop_cumulative: float = 0.0,
-              heal: bool = False, position: int = -1, cancel=None) -> "list[DraftToken]":
+              heal: bool = False, position: int = -1, cancel=None, runner_up: bool = False) -> "list[DraftToken]":
         """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
         early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
         the session's last id (crossdraft.vocab.healing); a first token with ``heals`` replaced it.
         position: the target-side position of the first proposal (coupled draws; -1 = unknown).
         cancel: pipelined rounds: an object whose ``is_set()`` is called once after each token drafted (a
         threading.Event, or crossdraft.decoding.pipeline.Stop); True ends the block there, and the
-        drafter stops drafting it."""
+        drafter stops drafting it. runner_up (greedy): each token also carries its probability and the
+        drafter's second choice there (``prob``, ``alt``, ``alt_prob``; pipelined rounds' branch)."""

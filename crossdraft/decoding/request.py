@@ -14,7 +14,7 @@ from crossdraft.decoding.stats import GenerationResult, Stats
 from crossdraft.errors import InvalidArgument
 
 if TYPE_CHECKING:  # (annotations only: the pipeline's module imports this one)
-    from crossdraft.decoding.pipeline import Ahead, CatchUp
+    from crossdraft.decoding.pipeline import Ahead, Branch, CatchUp
     from crossdraft.decoding.stats import RoundEvent
 
 
@@ -66,6 +66,10 @@ class Request:
     ready: Drafted | None = None
     ahead: Ahead | None = None
     drop_bonus: bool = False
+    # (greedy TLI, --branch) the block drafted beside the block ahead on the likeliest correction, and the
+    # drafter whose session the request's branches fork (it drops the branch's session at the end)
+    branch: Branch | None = None
+    branch_on: object = None
     # the target's prefill of the prompt, computed while the first block is drafted (CatchUp on the verifier)
     prefill: CatchUp | None = None
     # when the previous round ended (perf_counter; 0.0 before the first): the time until the next round

@@ -243,3 +243,11 @@ def verify_sampling(p: torch.Tensor, q: torch.Tensor, drafts: list[int], seed: i
             return VerifyOutcome(i, tok, [j < i for j in range(k)])
     bonus = sample_from(p[k], uniform(seed, round_index, k, STREAM_EMIT))
     return VerifyOutcome(k, bonus, [True] * k)
+
+
+def runner_up(processed: torch.Tensor, j: int) -> tuple[float, int, float]:
+    """(probability of index j, the index of the second most likely entry, its probability) of logits."""
+    top = torch.topk(processed, 2)
+    probs = torch.softmax(processed.float(), dim=-1)
+    i = int(top.indices[1]) if int(top.indices[0]) == j else int(top.indices[0])
+    return float(probs[j]), i, float(probs[i])

@@ -32,6 +32,10 @@ class Stats:
     # blocks drafted ahead but dropped (the previous block was not accepted whole)
     pipelined_blocks: int = 0
     dropped_blocks: int = 0
+    # (greedy TLI, --branch) blocks drafted beside the block ahead on the likeliest correction, and of
+    # them those verified next (the correction came true)
+    branches: int = 0
+    branch_blocks: int = 0
     # (pipelined) rounds that drafted nothing during whose verification the drafter was fed what it had
     # missed, before a probe (crossdraft.decoding.pipeline.CatchUp)
     caught_up: int = 0
@@ -133,7 +137,8 @@ class RoundEvent:
     # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
     logprobs: list | None = field(repr=False, default=None)
     # pipelined rounds: this round's block was drafted during the previous verification; and what became
-    # of the block drafted during this one ("" none, "used": verified next, "dropped")
+    # of the block drafted during this one ("" none, "used": verified next, "dropped", "branch": dropped, and
+    # the branch beside it verified next)
     drafted_ahead: bool = False
     ahead: str = ""
     # a speculative round that drafted nothing: why (crossdraft.decoding.policy.SKIP_REASONS; "" otherwise)

@@ -503,7 +503,8 @@ class DrafterSession(_ModelSession):
 
     # one pass per drafted token; healing, the penalty, the draw rule and the block's end share its state: kept whole
     def draft_iter(self, k: int, round_index: int, params: SamplingParams, seed: int, allowed: AllowedSet,
-                   stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None, position: int = -1):
+                   stop_below: float = 0.0, stop_cumulative: float = 0.0, heal=None, position: int = -1,
+                   runner_up: bool = False):
         """Yield up to k :class:`DraftToken` as they are produced (the committed ids are unchanged;
         the proposals stay in the cache so that an edit keeping them costs nothing).
 
@@ -518,9 +519,10 @@ class DrafterSession(_ModelSession):
         position: with ``params.coupled``, the target's position of the first proposal: proposal i
         is the argmax of the drafter's logits plus the coupled draws of (seed, position + i) read at
         each allowed id's target id (its plain argmax when that is unknown); no distribution is
-        shipped, since the verifier's test does not use one."""
+        shipped, since the verifier's test does not use one. runner_up (greedy): each proposal also carries
+        its probability and the drafter's second choice (crossdraft.decoding.pipeline's branch)."""
         self.truncate_cache(len(self.ids) - 1)  # drop proposals of an uncommitted earlier block
-        presence = None
+        presence = alt = None
         props: list[int] = []
         cum = 1.0
         healing = heal is not None and params.greedy and len(self.ids) >= 2
@@ -570,6 +572,8 @@ class DrafterSession(_ModelSession):
                     j = coupled_argmax(processed, Draws(seed, position + i), allowed.target_ids, allowed.inverse)
                 conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0
                 q_ids = q_probs = None
+                if runner_up and params.greedy and processed.shape[-1] > 1:
+                    alt = S.runner_up(processed, j)
             else:
                 pr = torch.softmax(processed, dim=-1)
                 idx, vals = truncate_distribution(pr)
@@ -585,6 +589,10 @@ class DrafterSession(_ModelSession):
                 need = heal.rest(need, tok)
             # (a block still spelling a healed token's bytes has no new text yet: it goes on)
             last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
-            yield DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last, queue_s=self._queued())
+            out = DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last, queue_s=self._queued())
+            if alt is not None:
+                out.prob, out.alt, out.alt_prob = alt[0], int(allowed.ids[alt[1]]), alt[2]
+                alt = None
+            yield out
             if last:
                 break

@@ -487,11 +487,12 @@ class DrafterWorker(_Worker):
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
                    seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0, heal: bool = False,
-                   position: int = -1):
+                   position: int = -1, runner_up: bool = False):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting).
 
         heal: token healing of the session's last id (greedy only; crossdraft.vocab.healing). position: the
-        target-side position of the first proposal (coupled draws; -1 = unknown)."""
+        target-side position of the first proposal (coupled draws; -1 = unknown). runner_up (greedy): each
+        token also carries its probability and the drafter's second choice (DraftRequest.runner_up)."""
         check_int("num_draft_tokens", k, 1, 64)
         if heal and not params.greedy:
             raise InvalidArgument("heal", "token healing is for greedy drafting only (temperature 0)")
@@ -513,7 +514,7 @@ class DrafterWorker(_Worker):
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
-                                 heal=self.token_bytes() if heal else None, position=position)
+                                 heal=self.token_bytes() if heal else None, position=position, runner_up=runner_up)
             sess.calls += 1
             mine = sess.calls
         # the session is held per token, never across a yield: a consumer that stops reading (a
@@ -535,13 +536,14 @@ class DrafterWorker(_Worker):
 
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
-              stop_cumulative: float = 0.0, heal: bool = False, position: int = -1, cancel=None) -> list[DraftToken]:
+              stop_cumulative: float = 0.0, heal: bool = False, position: int = -1, cancel=None,
+              runner_up: bool = False) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
         drafters: in process there is no wire to wait on). cancel: ``is_set()`` is asked once after each
         token (DrafterPort.draft); True ends the block there."""
         toks = []
         for tok in self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
-                                   stop_cumulative, heal, position):
+                                   stop_cumulative, heal, position, runner_up):
             toks.append(tok)
             if cancel is not None and cancel.is_set():
                 break

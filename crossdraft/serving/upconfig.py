@@ -66,6 +66,7 @@ class UpConfig:
     verifier_cpus: tuple[int, ...] = ()  # the verifier's --cpus (() = unpinned); gateway and Redis stay unpinned
     pipeline: str | None = None  # the gateway's --pipeline auto|on|off (None = the gateway's default)
     load_gate: str | None = None  # the gateway's --load-gate on|off (None = the gateway's default)
+    branch: str | None = None  # the gateway's --branch on|off (None = the gateway's default)
     drafter_metrics_port: int = 0  # the drafter's Prometheus --metrics-port (0 = off)
     verifier_metrics_port: int = 0  # the verifier's Prometheus --metrics-port (0 = off)
     target_dtype: str | None = None  # verifier --dtype (None = its default)
@@ -302,6 +303,8 @@ def child_commands(cfg: UpConfig) -> dict[str, list[str]]:
         gateway += ["--pipeline", cfg.pipeline]
     if cfg.load_gate:
         gateway += ["--load-gate", cfg.load_gate]
+    if cfg.branch:
+        gateway += ["--branch", cfg.branch]
     cmds["gateway"] = gateway
     return cmds
 
@@ -411,6 +414,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", choices=("auto", "on", "off"), default=None,
                         help="the gateway's --pipeline: draft the next block while the verifier checks this one "
                              "(default: the gateway's own)")
+    parser.add_argument("--branch", choices=("on", "off"), default=None,
+                        help="the gateway's --branch: pipelined greedy rounds also draft the block after each "
+                             "block's likeliest correction (default: the gateway's own)")
     parser.add_argument("--load-gate", choices=("on", "off"), default=None,
                         help="the gateway's --load-gate: hold drafting at a load where target-only rounds measure "
                              "more goodput (default: the gateway's own, on)")
@@ -545,6 +551,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         verifier_cpus=tuple(getattr(args, "verifier_cpus", None) or ()),
         pipeline=getattr(args, "pipeline", None) or None,
         load_gate=getattr(args, "load_gate", None) or None,
+        branch=getattr(args, "branch", None) or None,
         drafter_metrics_port=first.metrics_port,
         verifier_metrics_port=getattr(args, "verifier_metrics_port", 0) or 0,
         target_dtype=args.target_dtype,

@@ -1,8 +1,8 @@
 """Pipelined rounds through the real services (crossdraft.decoding.pipeline, gateway ``--pipeline``).
 
 One stack of this file's own, on 127.0.0.1: a Redis server, a verifier and a drafter (each with its
-Prometheus port, so that their work can be counted), a gateway with ``--pipeline on`` and one with
-``--pipeline off`` on the same model servers (on loopback ``auto`` would mean off: the two models
+Prometheus port, so that their work can be counted), a gateway with ``--pipeline on``, one with
+``--pipeline off`` and one with ``--pipeline on --branch on`` on the same model servers (on loopback ``auto`` would mean off: the two models
 count as colocated). The drafter is the target plus noise (same vocabulary; peaked heads), so most
 blocks are accepted whole -- the pipelined path, the round's own token dropped -- and some are
 not -- the block drafted ahead dropped. The test that kills a drafter starts its own drafter and
@@ -59,6 +59,7 @@ class PipeStack:
     on_grpc: str
     off: str  # REST base URL of the serial gateway
     off_grpc: str
+    branch: str  # REST base URL of the gateway drafting branches beside its blocks ahead
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +94,10 @@ def pipe(close_pair, tmp_path_factory):
         s.ready()
         _, on, on_grpc = s.gateway(vaddr, daddr, drafter_timeout_s=5, extra=["--pipeline", "on"])
         _, off, off_grpc = s.gateway(vaddr, daddr, drafter_timeout_s=5, extra=["--pipeline", "off"])
+        _, branch, _ = s.gateway(vaddr, daddr, drafter_timeout_s=5, extra=["--pipeline", "on", "--branch", "on"])
         s.ready()
         yield PipeStack(s, vaddr, daddr, f"http://127.0.0.1:{vm}", f"http://127.0.0.1:{dm}", d, on, on_grpc, off,
-                        off_grpc)
+                        off_grpc, branch)
 
 
 def complete(http: str, body: dict) -> dict:
@@ -139,6 +141,31 @@ def test_greedy_pipelined_is_token_identical_to_serial_and_target_only(pipe, ref
             if extra and body["choices"][0]["finish_reason"] == "length":
                 assert body["usage"]["completion_tokens"] == s["accepted"] + s["rounds"] - s["pipelined_blocks"], s
     assert piped > 0 and dropped > 0, (piped, dropped)
+
+
+def test_branches_over_the_wire_keep_the_target_only_text(pipe, reference):
+    """--branch: the drafter service sends its second choices, forks the request's session for each branch
+    and the gateway forks it back where a branch came true; the text stays the target-only text, some
+    branches were drafted and some verified, and the drafter holds no branch session afterwards (one-off
+    requests: the drafter's KV blocks in use come back to what they were)."""
+    blocks = "crossdraft_drafter_kv_cache_blocks_used"
+    before = metric_value(pipe.d_metrics, blocks)
+    branches = used = 0
+    for prompt in PROMPTS:
+        ref = reference[prompt]
+        for extra in (FIXED, {"num_draft_tokens": 5, "adaptive_draft": False}):
+            body = complete(pipe.branch, {"prompt": prompt, "max_tokens": N_NEW, **extra})
+            assert body["choices"][0]["text"] == ref["choices"][0]["text"], (prompt, extra)
+            s = body["speculative"]
+            assert s["branch_blocks"] <= s["branches"] and not s["drafter_fallback"]
+            branches += s["branches"]
+            used += s["branch_blocks"]
+    assert branches > used > 0, (branches, used)
+    assert blocks + " " in requests.get(pipe.d_metrics + "/metrics", timeout=10).text  # (a paged KV pool)
+    deadline = time.monotonic() + 10
+    while metric_value(pipe.d_metrics, blocks) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric_value(pipe.d_metrics, blocks) == before
 
 
 def test_greedy_pipelined_over_grpc_gives_the_target_only_ids(pipe):

@@ -634,16 +634,18 @@ def test_gateway_drain_matches_the_pod_grace_period(helm, render):
 
 
 def test_gateway_pipeline_and_load_gate_values_are_its_env(helm, render):
-    """gateway.pipeline and gateway.loadGate are the gateway's --pipeline and --load-gate, through
-    CROSSDRAFT_PIPELINE and CROSSDRAFT_LOAD_GATE in its ConfigMap (auto and off by default); likewise
+    """gateway.pipeline, gateway.loadGate and gateway.branch are the gateway's --pipeline, --load-gate and
+    --branch, through CROSSDRAFT_PIPELINE, CROSSDRAFT_LOAD_GATE and CROSSDRAFT_BRANCH in its ConfigMap (auto, off
+    and off by default); likewise
     gateway.drafterStartWaitSeconds and --drafter-start-wait-s. A values file's
     `off` is YAML 1.1's false: pipeline takes it for off, and loadGate is a boolean."""
     gcm = find(render("default"), "ConfigMap", f"{FULL}-gateway-config")["data"]
-    assert gcm["CROSSDRAFT_PIPELINE"] == "auto" and gcm["CROSSDRAFT_LOAD_GATE"] == "off"
+    assert gcm["CROSSDRAFT_PIPELINE"] == "auto" and gcm["CROSSDRAFT_LOAD_GATE"] == gcm["CROSSDRAFT_BRANCH"] == "off"
     docs = _template(helm, ("--set", "gateway.pipeline=false", "--set", "gateway.loadGate=true",
+                            "--set", "gateway.branch=true",
                             "--set", "gateway.drafterStartWaitSeconds=30"), K8S_VERSIONS[-1])
     data = find(docs, "ConfigMap", f"{FULL}-gateway-config")["data"]
-    assert data["CROSSDRAFT_PIPELINE"] == "off" and data["CROSSDRAFT_LOAD_GATE"] == "on"
+    assert data["CROSSDRAFT_PIPELINE"] == "off" and data["CROSSDRAFT_LOAD_GATE"] == data["CROSSDRAFT_BRANCH"] == "on"
     assert data["CROSSDRAFT_DRAFTER_START_WAIT_S"] == "30"  # (--drafter-start-wait-s)
     assert "CROSSDRAFT_PIPELINE" not in find(docs, "ConfigMap", f"{FULL}-models")["data"]
 

@@ -417,3 +417,78 @@ def _serial_rate_at(model: CostModel, k: int, a: float) -> float:
         return model.rate(k, a)
     finally:
         model.pipelined = True
+
+
+class Branching(Counting):
+    """A drafter port that records each draft's session and thread, and each fork and end."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.forks: list[tuple[str, str]] = []
+        self.ends: list[str] = []
+
+    def draft(self, sid, *a, **kw):
+        self.calls.append(dict(kw, sid=sid, thread=threading.current_thread().name))
+        return self.inner.draft(sid, *a, **kw)
+
+    def fork(self, src, dst):
+        self.forks.append((src, dst))
+        return self.inner.fork(src, dst)
+
+    def end(self, sid):
+        self.ends.append(sid)
+        return self.inner.end(sid)
+
+
+def test_a_branch_on_the_likeliest_correction_becomes_the_next_block_when_it_comes_true(close, monkeypatch):
+    """--branch: beside each block ahead the drafter drafts, on a fork of its session, the block after the
+    block's likeliest miss (the drafter's second choice where it most likely disagrees). Where the
+    verification makes exactly that correction the branch is the next block: no Draft call in that round,
+    the branch's session forked back into the request's. Greedy output stays the target's; the branch's
+    session is dropped at the end. (BRANCH_MIN_HIT 0: the tiny models' flat distributions would rarely
+    reach it; which branches come true depends only on the models, not on timing.)"""
+    monkeypatch.setattr(P, "BRANCH_MIN_HIT", 0.0)
+    close.decoder.check = True
+    close.decoder.branch = True
+    taken = 0
+    for prompt in PROMPTS:
+        ref = close.generate(prompt, max_new_tokens=40, use_drafter=False)
+        d = Branching(close.drafter_worker)
+        close.decoder.drafter = d
+        events = list(_rounds(close, prompt))
+        sid, bsid = "rounds", P.branch_sid("rounds")
+        assert [t for e in events for t in e.emitted] == ref.token_ids[:len([t for e in events for t in e.emitted])]
+        branched = [e for e in events if e.ahead == "branch"]
+        taken += len(branched)
+        # a branch comes true only where the block was not accepted whole; the next round verifies it at once
+        assert all(e.accepted < e.drafted for e in branched)
+        following = {e.round_index + 1 for e in branched}
+        assert all(e.drafted_ahead for e in events if e.round_index in following)
+        # every block was drafted by exactly one call: in its own round, ahead of it, or beside that
+        in_round = [c for c in d.calls if c["sid"] == sid and not c["thread"].startswith("draft-ahead")]
+        used_ahead = sum(e.ahead == "used" for e in events)
+        assert len(in_round) + used_ahead + len(branched) == sum(e.drafted > 0 for e in events)
+        # each branch drafted on its own session, forked from the request's; each that came true forked back
+        beside = [c for c in d.calls if c["sid"] == bsid]
+        assert len(beside) == sum(1 for f in d.forks if f == (sid, bsid)) > 0
+        assert all(c["runner_up"] for c in d.calls)
+        assert [f for f in d.forks if f[1] == sid] == [(bsid, sid)] * len(branched)
+        assert d.ends == [bsid] and close.drafter_worker.sessions.get(bsid) is None
+        out = _gen(close, prompt, True)  # (and through generate: the whole output is the target's)
+        assert out.token_ids == ref.token_ids and out.stats.branch_blocks <= out.stats.branches
+    assert taken > 0
+
+
+def test_no_branch_without_second_choices_sampling_or_text_mode(cross, close):
+    """A branch needs the drafter's second choices (greedy) and one target id per drafter id (TLI)."""
+    close.decoder.branch = cross.decoder.branch = True
+    toks = [SS.DraftToken(5, None, None, 0.0)]
+    assert P.likeliest_miss(toks) == (-1, 0.0)
+    toks = [SS.DraftToken(5, None, None, 0.0, prob=0.9, alt=6, alt_prob=0.05),
+            SS.DraftToken(7, None, None, 0.0, prob=0.5, alt=8, alt_prob=0.4)]
+    j, chance = P.likeliest_miss(toks)
+    assert j == 1 and chance == pytest.approx(0.9 * 0.4)
+    for eng, kw in ((close, {"params": SamplingParams(temperature=0.8)}),
+                    (cross, {"draft": DraftConfig(num_draft_tokens=2, adaptive=False, mode="text")})):
+        out = _gen(eng, PROMPTS[0], True, max_new_tokens=24, **kw)
+        assert out.stats.branches == 0 and out.stats.pipelined_blocks + out.stats.dropped_blocks > 0

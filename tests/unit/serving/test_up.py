@@ -189,9 +189,10 @@ def test_arguments_and_config(monkeypatch):
 def test_child_commands_placement_per_model_and_pipeline():
     """--drafter-device / --verifier-device override --device per model; --drafter-cpus /
     --verifier-cpus become each model server's --cpus (in list form); --pipeline goes to the gateway
-    only, and so does --load-gate; the gateway gets no --cpus (it stays unpinned)."""
+    only, and so do --load-gate and --branch; the gateway gets no --cpus (it stays unpinned)."""
     cfg = UpConfig(target="T", drafter="D", device="cpu", drafter_device="cuda:0", verifier_device="cuda:1",
-                   drafter_cpus=(0,), verifier_cpus=(1, 2, 3, 5), pipeline="on", load_gate="off", drafter_port=6001,
+                   drafter_cpus=(0,), verifier_cpus=(1, 2, 3, 5), pipeline="on", load_gate="off", branch="on",
+                   drafter_port=6001,
                    verifier_port=6002, http_port=8123, grpc_port=6051, redis_url="redis://127.0.0.1:7000/0",
                    python="/py")  # fmt: skip
     cmds = child_commands(cfg)
@@ -199,7 +200,7 @@ def test_child_commands_placement_per_model_and_pipeline():
                                "--device", "cuda:0", "--cpus", "0"]  # fmt: skip
     assert cmds["verifier"] == ["/py", "-m", "verifier", "--model", "T", "--host", "127.0.0.1", "--port", "6002",
                                 "--device", "cuda:1", "--cpus", "1-3,5"]  # fmt: skip
-    assert cmds["gateway"][-4:] == ["--pipeline", "on", "--load-gate", "off"]
+    assert cmds["gateway"][-6:] == ["--pipeline", "on", "--load-gate", "off", "--branch", "on"]
     assert "--cpus" not in cmds["gateway"] and "--device" not in cmds["gateway"]
     # one override only: the other model keeps --device
     cmds = child_commands(UpConfig(device="cuda", verifier_device="cuda:1", redis_url="redis://r:1/0"))
