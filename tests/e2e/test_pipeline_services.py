@@ -3,10 +3,10 @@
 One stack of this file's own, on 127.0.0.1: a Redis server, a verifier and a drafter (each with its
 Prometheus port, so that their work can be counted), a gateway with ``--pipeline on``, one with
 ``--pipeline off`` and one with ``--pipeline on --branch on`` on the same model servers (on loopback
-``auto`` would mean off: the two models count as colocated). The drafter is the target plus noise (same vocabulary; peaked heads), so most
-blocks are accepted whole -- the pipelined path, the round's own token dropped -- and some are
-not -- the block drafted ahead dropped. The test that kills a drafter starts its own drafter and
-gateway on this stack's verifier and Redis.
+``auto`` would mean off: the two models count as colocated). The drafter is the target plus noise
+(same vocabulary; peaked heads), so most blocks are accepted whole -- the pipelined path, the round's
+own token dropped -- and some are not -- the block drafted ahead dropped. The test that kills a
+drafter starts its own drafter and gateway on this stack's verifier and Redis.
 """
 
 from __future__ import annotations
