@@ -58,9 +58,9 @@ def start(s: Services, a) -> dict:
     dtype = ["--dtype", a.dtype, "--kv-cache-tokens", str(a.kv_cache_tokens)]
     threads = {"OMP_NUM_THREADS": str(os.cpu_count() or 2)}  # unpinned: every core, as a user runs it
     _, v_pin = s.verifier(a.target, extra=[*dtype, "--cpus", a.verifier_cpus])
-    _, d_pin = s.drafter(a.drafter, extra=[*dtype, "--cpus", a.drafter_cpus])
+    _, d_pin = s.drafter(a.drafter, extra=[*dtype, "--cpus", a.drafter_cpus], quantize=a.drafter_quantize)
     _, v_all = s.verifier(a.target, extra=dtype, env=threads)
-    _, d_all = s.drafter(a.drafter, extra=dtype, env=threads)
+    _, d_all = s.drafter(a.drafter, extra=dtype, env=threads, quantize=a.drafter_quantize)
     s.ready()
     urls = {}
     _, urls["serial"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "off"], drafter_timeout_s=120)
@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int8", "none"),
+                    help="the drafter server's --quantize (auto: its default, int8 copies where they measure faster)")
     ap.add_argument("--drafter-cpus", default="0")
     ap.add_argument("--verifier-cpus", default="1")
     ap.add_argument("--clients", default="1,16")
@@ -206,7 +208,8 @@ def main() -> None:
                               f"failed {p['failed']}", flush=True)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "drafter_cpus": a.drafter_cpus,
-                    "verifier_cpus": a.verifier_cpus, "max_new_tokens": a.max_new_tokens, "prompts": len(ps),
+                    "verifier_cpus": a.verifier_cpus,
+                    "drafter_quantize": a.drafter_quantize, "max_new_tokens": a.max_new_tokens, "prompts": len(ps),
                     "repeats": a.repeats, **git_commit(), "time": time.strftime("%Y-%m-%d %H:%M")},
            "summary": summarize(points), "greedy_identity": greedy_identity(points), "points": points}
     for r in res["summary"]["rows"]:

@@ -61,7 +61,7 @@ def start(s: Services, a, target: str) -> dict:
     _, vaddr = s.verifier(target, extra=extra)
     names, addrs = [], []
     for model in a.drafters.split(","):
-        _, addr = s.drafter(model, extra=extra)
+        _, addr = s.drafter(model, extra=extra, quantize=a.drafter_quantize)
         names.append(kind_name(model))
         addrs.append(addr)
     s.ready(timeout=900)
@@ -199,6 +199,8 @@ def main() -> None:
     ap.add_argument("--targets", default="qwen2.5-coder-1.5b,gemma3-270m")
     ap.add_argument("--drafters", default="smollm2-135m,qwen2.5-coder-0.5b", help="the pool's kinds, in order")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int8", "none"),
+                    help="the drafter servers' --quantize (auto: their default, int8 copies where they measure faster)")
     ap.add_argument("--per-class", type=int, default=2, help="prompts per class")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
@@ -209,7 +211,7 @@ def main() -> None:
     ps = prompts(a.per_class)
     kinds = [kind_name(m) for m in a.drafters.split(",")]
     targets = [t for t in a.targets.split(",") if t]
-    res = {"meta": {"targets": targets, "drafters": kinds, "dtype": a.dtype, "cpu": _cpu_name(),
+    res = {"meta": {"targets": targets, "drafters": kinds, "dtype": a.dtype, "drafter_quantize": a.drafter_quantize, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                     "max_new_tokens": a.max_new_tokens, "prompts": len(ps), "repeats": a.repeats, **git_commit(),
                     "time": time.strftime("%Y-%m-%d %H:%M")},

@@ -181,11 +181,12 @@ class Services:
         """A verifier process (fp32); ``env`` adds fault-injection knobs. Returns (process, host:port)."""
         return self._model_server("verifier", model, extra, env)
 
-    def drafter(self, model, extra=None, env: dict | None = None) -> tuple[Proc, str]:
-        """A drafter process on fp32 float weights (``--quantize none``: an fp32 drafter server may
-        otherwise choose int8 copies at load, by timing -- crossdraft.models.quant -- while the in-process
-        engines the tests compare with keep float weights)."""
-        return self._model_server("drafter", model, ["--quantize", "none", *(extra or [])], env)
+    def drafter(self, model, extra=None, env: dict | None = None, quantize: str = "none") -> tuple[Proc, str]:
+        """A drafter process, on fp32 float weights by default (``--quantize none``: an fp32 drafter server
+        may otherwise choose int8 copies at load, by timing -- crossdraft.models.quant -- while the
+        in-process engines the tests compare with keep float weights). Benchmarks pass ``quantize="auto"``:
+        the server's own default, what a user's drafter runs with."""
+        return self._model_server("drafter", model, ["--quantize", quantize, *(extra or [])], env)
 
     def gateway(self, verifier: str | list[str], drafter: str | None, **kw) -> tuple[Proc, str, str]:
         """A gateway on this stack's Redis over the verifier replica(s) and drafter given (keywords
