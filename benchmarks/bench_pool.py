@@ -211,7 +211,8 @@ def main() -> None:
     ps = prompts(a.per_class)
     kinds = [kind_name(m) for m in a.drafters.split(",")]
     targets = [t for t in a.targets.split(",") if t]
-    res = {"meta": {"targets": targets, "drafters": kinds, "dtype": a.dtype, "drafter_quantize": a.drafter_quantize, "cpu": _cpu_name(),
+    res = {"meta": {"targets": targets, "drafters": kinds, "dtype": a.dtype,
+                    "drafter_quantize": a.drafter_quantize, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                     "max_new_tokens": a.max_new_tokens, "prompts": len(ps), "repeats": a.repeats, **git_commit(),
                     "time": time.strftime("%Y-%m-%d %H:%M")},
