@@ -289,7 +289,7 @@ class Pipelining:
         its proposals and chose its correction (the drafter's session then becomes the branch's); else it
         is dropped. Whether it was taken."""
         br, req.branch = req.branch, None
-        if done or n != br.j or next_token != br.alt_t or req.d.ids != br.ids:
+        if done or not req.spec or n != br.j or next_token != br.alt_t or req.d.ids != br.ids:
             br.ahead.cancel()  # (not waited for: it drafts on its own session, which the next branch replaces)
             return False
         try:
