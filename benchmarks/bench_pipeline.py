@@ -53,29 +53,32 @@ MODES = ("target-only", "serial", "pipelined", "branch", "default", "pipelined-u
 
 
 def start(s: Services, a) -> dict:
-    """Both stacks on one Redis: pinned model servers with their gateways, unpinned ones with two (only where
-    a mode asks for them: four fp32 model servers of the default pair fill 24 GB). The KV pools are sized for
-    the benchmark."""
+    """Both stacks on one Redis: pinned model servers with their gateways, unpinned ones with two -- each
+    stack only where a mode asks for it (four fp32 model servers of the default pair fill 24 GB). The KV
+    pools are sized for the benchmark."""
     modes = a.modes.split(",")
     unpinned = "default" in modes or "pipelined-unpinned" in modes
+    pinned = not unpinned or any(m in modes for m in ("target-only", "serial", "pipelined", "branch"))
     dtype = ["--dtype", a.dtype, "--kv-cache-tokens", str(a.kv_cache_tokens)]
     threads = {"OMP_NUM_THREADS": str(os.cpu_count() or 2)}  # unpinned: every core, as a user runs it
-    _, v_pin = s.verifier(a.target, extra=[*dtype, "--cpus", a.verifier_cpus])
-    _, d_pin = s.drafter(a.drafter, extra=[*dtype, "--cpus", a.drafter_cpus], quantize=a.drafter_quantize)
+    if pinned:
+        _, v_pin = s.verifier(a.target, extra=[*dtype, "--cpus", a.verifier_cpus])
+        _, d_pin = s.drafter(a.drafter, extra=[*dtype, "--cpus", a.drafter_cpus], quantize=a.drafter_quantize)
     if unpinned:
         _, v_all = s.verifier(a.target, extra=dtype, env=threads)
         _, d_all = s.drafter(a.drafter, extra=dtype, env=threads, quantize=a.drafter_quantize)
     s.ready()
     urls = {}
-    _, urls["serial"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "off"], drafter_timeout_s=120)
-    _, urls["pipelined"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "on"], drafter_timeout_s=120)
+    if pinned:
+        _, urls["serial"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "off"], drafter_timeout_s=120)
+        _, urls["pipelined"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "on"], drafter_timeout_s=120)
+        urls["target-only"] = urls["serial"]
     if "branch" in modes:
         _, urls["branch"], _ = s.gateway(v_pin, d_pin, extra=["--pipeline", "on", "--branch", "on"],
                                          drafter_timeout_s=120)
     if unpinned:
         _, urls["default"], _ = s.gateway(v_all, d_all, drafter_timeout_s=120)
         _, urls["pipelined-unpinned"], _ = s.gateway(v_all, d_all, extra=["--pipeline", "on"], drafter_timeout_s=120)
-    urls["target-only"] = urls["serial"]
     s.ready()
     return urls
 
