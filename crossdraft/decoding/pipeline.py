@@ -195,11 +195,21 @@ def likeliest_miss(toks: list) -> tuple[int, float]:
 
 class Branch:
     """A block drafted beside the block ahead, on the fork ``sid`` of the drafter's session, after the
-    proposals before ``j`` and the drafter's second choice at ``j`` (drafter id ``alt``, target id
-    ``alt_t``); ``ids`` the drafter's history it continues."""
+    proposals before ``j`` and the drafter's second choice at ``j`` (target id ``alt_t``); ``ids`` the
+    drafter's history it continues."""
 
-    def __init__(self, ahead: Ahead, sid: str, j: int, alt: int, alt_t: int, ids: list[int]):
-        self.ahead, self.sid, self.j, self.alt, self.alt_t, self.ids = ahead, sid, j, alt, alt_t, ids
+    def __init__(self, ahead: Ahead, sid: str, j: int, alt_t: int, ids: list[int]):
+        self.ahead, self.sid, self.j, self.alt_t, self.ids = ahead, sid, j, alt_t, ids
+
+
+def _beside(req: Request, call: Ahead, toks: list) -> Drafted:
+    """The block a call beside a verification drafted (its target ids still to fill in): its drafter time,
+    counted in the request's stats and on the call (what of it the round waited for is on its path)."""
+    seconds = call.model_s = sum(t.forward_s for t in toks)
+    queued = sum(t.queue_s for t in toks)
+    req.stats.draft_s += seconds - queued
+    req.stats.draft_queue_s += queued
+    return Drafted(toks, [], None, seconds, wall=max(0.0, call.t_end - call.t_start), queue_s=queued)
 
 
 def can_draft_ahead(pair: TokenPair, proposals: list[int], target_ids: list[int], healed: bytes, text_mode: bool,
@@ -279,8 +289,8 @@ class Pipelining:
             drafter.fork(sid, bsid)  # (the fork shares the session's cache: only the branch's own steps cost)
             return drafter.draft(bsid, edit, expect, **kw)
 
-        req.branch = Branch(Ahead(call, [], len(req.t_ids) + j + 1, round_index + 1, kw["cancel"]), bsid, j, alt,
-                            alt_t, ids)
+        req.branch = Branch(Ahead(call, [], len(req.t_ids) + j + 1, round_index + 1, kw["cancel"]), bsid, j, alt_t,
+                            ids)
         req.branch_on = drafter
         req.stats.branches += 1
 
@@ -300,13 +310,10 @@ class Pipelining:
             self.drafter.fork(br.sid, req.sid)
         except (Unavailable, ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition):
             return False  # the next round drafts as it would have
-        seconds = br.ahead.model_s = sum(t.forward_s for t in toks)
         req.d.sent = len(req.d.ids)
-        req.ready = Drafted(toks, drafts_t, None, seconds, wall=max(0.0, br.ahead.t_end - br.ahead.t_start),
-                            queue_s=sum(t.queue_s for t in toks))
+        req.ready = _beside(req, br.ahead, toks)
+        req.ready.target_ids = drafts_t
         req.stats.branch_blocks += 1
-        req.stats.draft_s += seconds - req.ready.queue_s
-        req.stats.draft_queue_s += req.ready.queue_s
         return True
 
     def _end_calls(self, req: Request) -> None:
@@ -377,17 +384,15 @@ class Pipelining:
         except (NotFound, FailedPrecondition):  # the drafter lost the session: the next draft re-syncs it
             req.stats.dropped_blocks += 1
             return None
-        seconds = ahead.model_s = sum(t.forward_s for t in toks)
-        queued = sum(t.queue_s for t in toks)
-        req.stats.draft_s += seconds - queued
-        req.stats.draft_queue_s += queued
+        block = _beside(req, ahead, toks)
         with_q = not req.params.greedy and not req.params.coupled
-        drafts_t, q_rows = (block_in_target_ids(self.pair, toks, b"", remaining - kd - 1, req.text_mode, with_q)
-                            if n == kd and toks and req.spec else ([], None))
-        if not drafts_t:
+        block.target_ids, block.q_rows = (
+            block_in_target_ids(self.pair, toks, b"", remaining - kd - 1, req.text_mode, with_q)
+            if n == kd and toks and req.spec else ([], None))
+        if not block.target_ids:
             req.stats.dropped_blocks += 1
             return None
-        return Drafted(toks, drafts_t, q_rows, seconds, wall=max(0.0, ahead.t_end - ahead.t_start), queue_s=queued)
+        return block
 
     def _follow(self, req: Request, drafted: Drafted, following: Drafted) -> None:
         """The block was accepted whole and the next one is ready: the drafter's view takes this block's

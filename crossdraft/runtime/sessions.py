@@ -570,10 +570,11 @@ class DrafterSession(_ModelSession):
                     j = int(torch.argmax(processed))
                 else:
                     j = coupled_argmax(processed, Draws(seed, position + i), allowed.target_ids, allowed.inverse)
-                conf = float(torch.softmax(processed, dim=-1)[j]) if stop_below > 0 or stop_cumulative > 0 else 1.0
-                q_ids = q_probs = None
-                if runner_up and params.greedy and processed.shape[-1] > 1:
+                if runner_up and params.greedy and processed.shape[-1] > 1:  # (its softmax gives conf too)
                     alt = S.runner_up(processed, j)
+                conf = (alt[0] if alt is not None else float(torch.softmax(processed, dim=-1)[j])
+                        if stop_below > 0 or stop_cumulative > 0 else 1.0)
+                q_ids = q_probs = None
             else:
                 pr = torch.softmax(processed, dim=-1)
                 idx, vals = truncate_distribution(pr)
