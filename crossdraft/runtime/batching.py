@@ -11,8 +11,12 @@ so one long prompt delays other sessions' rounds by at most one chunk's share of
 forward pads rows to the longest, so a long row batches only with rows of about its length
 (:func:`_mixes`): a prompt's chunk never pads other sessions' one-token steps to its length.
 
-The wait for more rows only happens while other callers are inside the worker (``busy()``
-counts them): with one client a row runs at once, so batching costs a single user nothing.
+The first row waits for more only while others are about to come: rows of callers inside the
+worker (``busy()`` counts them: a drafter's next step), and rows of sessions expected back from
+their clients soon (:mod:`crossdraft.runtime.returns`: sessions answered by one forward come back
+spread over their clients' round trips, and a forward that starts without the late ones splits the
+sessions into groups that each pay a whole forward from then on). With one client a row runs at
+once, so batching costs a single user nothing.
 
 Memory: the KV pool (paged, preallocated) holds every session's keys and values. When a row
 cannot get blocks, the worker's ``evict`` callback drops idle sessions, least recently used
@@ -34,6 +38,7 @@ from crossdraft.decoding.costmodel import interpolate_cost
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
 from crossdraft.runtime.price import PriceModel
+from crossdraft.runtime.returns import Returns
 
 log = logging.getLogger("crossdraft.runtime.batching")
 
@@ -45,8 +50,9 @@ class BatchConfig:
     enabled: bool = True  # False: one forward at a time, each session with its own cache
     max_rows: int = 32  # sessions in one forward at most
     max_tokens: int = 4096  # tokens in one forward at most (rows x the longest row: the padded forward)
-    # how long the first row may wait for others that are in flight or due (None = automatic:
-    # 15% of the mean forward time, 1 to 30 ms)
+    # how long the first row may wait for others in flight or expected back (None = automatic: 15% of
+    # the mean forward time, 1 to 30 ms, for rows in flight; half a one-token forward, at most 250 ms,
+    # for sessions expected back from their clients)
     max_wait_ms: float | None = None
     prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
@@ -84,9 +90,9 @@ class KVSlot:
 
 class _Job:
     __slots__ = ("slot", "start", "tokens", "keep", "head", "done", "result", "error", "t_submit", "wait_s",
-                 "batch_rows", "batch_tokens")
+                 "batch_rows", "batch_tokens", "final")
 
-    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head):
+    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head, final: bool = True):
         self.slot = slot
         self.start = start
         self.tokens = tokens
@@ -99,6 +105,7 @@ class _Job:
         self.wait_s = 0.0
         self.batch_rows = 0
         self.batch_tokens = 0
+        self.final = final  # the last chunk of the caller's feed: its answer sends the session out
 
 
 @dataclass
@@ -163,6 +170,8 @@ class BatchScheduler:
         self._ops: list = []  # pool operations callers asked the loop thread to run (forks)
         # when each session's rows arrive: id(slot) -> [last submit time, mean gap between its rows]
         self._seen: dict[int, list] = {}
+        # when each answered session's next row is expected back (the wait for rows about to come)
+        self._returns = Returns()
         self._forward_s = 0.0  # running mean of a forward's time (the automatic wait is a share of it)
         # the model's measured ms per forward of 1, 2, ... tokens (crossdraft.runtime.costs; set by the worker
         # once timed): whether padding short rows to a longer one costs more than a forward of its own
@@ -238,6 +247,7 @@ class BatchScheduler:
 
     def _free(self, slot: "KVSlot") -> None:
         self._seen.pop(id(slot), None)
+        self._returns.forget(id(slot))
         if slot.handle is not None:
             self.pool.free(slot.handle)
             slot.handle = None
@@ -254,10 +264,11 @@ class BatchScheduler:
         out = None
         pos = start
         for piece, last in _chunks(tokens, self.cfg.prefill_chunk, keep):
-            job = _Job(slot, pos, piece, keep if last else 1, head if last else None)
+            job = _Job(slot, pos, piece, keep if last else 1, head if last else None, last)
             with self._cv:
                 if self._stop:
                     raise ResourceExhausted("the model server is shutting down")
+                self._returns.sent(id(slot), job.t_submit)
                 seen = self._seen.get(id(slot))
                 if seen is None:
                     self._seen[id(slot)] = [job.t_submit, None]
@@ -312,7 +323,9 @@ class BatchScheduler:
             batch = [self._q.popleft()]
             slots = {id(batch[0].slot)}
             tokens = longest = len(batch[0].tokens)
-            deadline = time.perf_counter() + self._max_wait_s()
+            t_pick = time.perf_counter()
+            deadline = t_pick + self._max_wait_s()  # (callers inside the worker)
+            returning = t_pick + self._return_wait_s()  # (sessions expected back from their clients)
             skipped: list[_Job] = []
             while len(batch) < cfg.max_rows:
                 if self._q:
@@ -330,11 +343,17 @@ class BatchScheduler:
                     longest = max(longest, n)
                     continue
                 # nothing queued: wait a little, only while other rows may be about to come (not
-                # while a row set aside waits for the next batch)
+                # while a row set aside waits for the next batch): rows of callers inside the worker
+                # (a drafter's next step), or of sessions expected back from their clients
                 now = time.perf_counter()
-                if now >= deadline or skipped or not (self.busy() > len(batch) or self._due(slots, now, deadline)):
+                if skipped:
                     break
-                self._cv.wait(deadline - now)
+                until = deadline if now < deadline and self.busy() > len(batch) else None
+                back = self._returns.wait_until(slots, now, returning)
+                until = back if until is None or (back is not None and back > until) else until
+                if until is None or until <= now:
+                    break
+                self._cv.wait(until - now)
             batch, later = _split(batch, self.cost_ms)
             self._q.extendleft(reversed(later + skipped))
             return batch
@@ -344,21 +363,16 @@ class BatchScheduler:
             return self.cfg.max_wait_ms / 1000.0
         return min(0.030, max(0.001, 0.15 * self._forward_s))
 
-    def _due(self, slots: set, now: float, deadline: float) -> bool:
-        """Whether a session not in the batch is expected to send its next row before the deadline:
-        its rows have been coming at a steady gap (the round trip of a client: its own rounds,
-        drafting, the gateway), so rows of sessions batched together once come back together, and
-        a short wait keeps them together instead of letting them drift into separate forwards.
-        Sessions long past their due time are forgotten."""
-        due = False
-        for key, (last, gap) in list(self._seen.items()):
-            if gap is None or key in slots:
-                continue
-            if now > last + 3 * gap + 1.0:
-                del self._seen[key]
-            elif now - 0.5 * gap <= last + gap <= deadline:
-                due = True
-        return due
+    def _return_wait_s(self) -> float:
+        """How long the first row may wait for sessions expected back from their clients. Rows
+        that miss a forward run in one of their own, which costs about a whole forward (its fixed
+        part: weights read, kernels launched) -- and the sessions served apart then come back apart
+        again. So waiting pays up to a share of a one-token forward: half of it, at most 250 ms
+        (the configured --batch-wait-ms where one is set)."""
+        if self.cfg.max_wait_ms is not None:
+            return self.cfg.max_wait_ms / 1000.0
+        one = self.cost_ms[0] / 1000.0 if self.cost_ms else self._forward_s
+        return max(self._max_wait_s(), min(0.25, 0.5 * one))
 
     def _reserve(self, batch: list[_Job]) -> list[_Job]:
         """Give every row a handle and its blocks (evicting idle sessions if needed); fail rows that
@@ -432,6 +446,11 @@ class BatchScheduler:
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
             self.prices.observe(len(batch), tokens, dt)
+            t_done = time.perf_counter()
+            with self._cv:
+                for j in batch:
+                    if j.final:
+                        self._returns.answered(id(j.slot), t_done)
             for j, out, w in zip(batch, outs, waits, strict=True):
                 j.result = out
                 j.wait_s = w

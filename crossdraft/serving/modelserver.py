@@ -118,8 +118,9 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=str(_env("MAX_BATCH_TOKENS", 4096)),
                    help="tokens per forward")
     p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
-                   help="longest wait of a forward for more rows in flight or due; auto = 15%% of the mean "
-                        "forward time, 1-30 ms (env CROSSDRAFT_BATCH_WAIT_MS)")
+                   help="longest wait of a forward for more rows in flight or expected back; auto = 15%% of the "
+                        "mean forward time (1-30 ms) for rows in flight, half a one-token forward (at most "
+                        "250 ms) for sessions expected back from their clients (env CROSSDRAFT_BATCH_WAIT_MS)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=_env("CUDA_GRAPHS", "auto"),
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
                         "bucket; auto = on for a CUDA device; 'on' on a CPU runs the padded path without graphs "
