@@ -79,11 +79,15 @@ class Stack:
         self.procs: list[Service] = []
         self.redis = RedisServer().start()
         dp, vp, hp, gp = free_port(), free_port(), free_port(), free_port()
+        # the model servers' /metrics: how many sessions each batched forward served
+        self.metrics = {"verifier": free_port()} | ({"drafter": free_port()} if a.drafter else {})
         common = ["--host", "127.0.0.1", "--dtype", a.dtype, "--max-sessions", "128"] + extra_model_args
         if a.drafter:
-            self.procs.append(Service(code, "drafter", ["drafter", "--model", a.drafter, "--port", str(dp)] + common,
+            self.procs.append(Service(code, "drafter", ["drafter", "--model", a.drafter, "--port", str(dp),
+                                                        "--metrics-port", str(self.metrics["drafter"])] + common,
                                       log_dir, a.threads))
-        self.procs.append(Service(code, "verifier", ["verifier", "--model", a.target, "--port", str(vp)] + common,
+        self.procs.append(Service(code, "verifier", ["verifier", "--model", a.target, "--port", str(vp),
+                                                     "--metrics-port", str(self.metrics["verifier"])] + common,
                                   log_dir, a.threads))
         gw = ["gateway", "--verifier", f"127.0.0.1:{vp}", "--redis-url", self.redis.url, "--host", "127.0.0.1",
               "--http-port", str(hp), "--grpc-port", str(gp),
@@ -116,6 +120,24 @@ class Stack:
         self.redis.stop()
 
 
+def batch_rows(ports: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Each model server's batched forwards so far: {name: (rows, forwards)} from its /metrics
+    (crossdraft_<kind>_batch_rows); a server that does not answer is left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for name, port in ports.items():
+        try:
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        except requests.RequestException:
+            continue
+        for fam in text_string_to_metric_families(text):
+            if fam.name == f"crossdraft_{name}_batch_rows":
+                got = {smp.name.rsplit("_", 1)[1]: smp.value for smp in fam.samples}
+                out[name] = (got.get("sum", 0.0), got.get("count", 0.0))
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (all its threads), from /proc (Linux; 0.0 elsewhere)."""
     try:
@@ -146,11 +168,12 @@ def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool,
 
 
 def point(url: str, ps: list[str], a, clients: int, temperature: float, use_drafter: bool,
-          procs: dict[str, int] | None = None) -> dict:
+          procs: dict[str, int] | None = None, metrics: dict[str, int] | None = None) -> dict:
     """`clients` threads; request i (prompt i % len(ps)) goes to thread i % clients; all start together.
 
     With ``procs`` (name -> pid), also the CPU seconds each process spent during the point, per
-    completion token (where the time of a mode goes when the machine is the bottleneck)."""
+    completion token (where the time of a mode goes when the machine is the bottleneck); with
+    ``metrics`` (server name -> its /metrics port), the sessions each batched forward served."""
     n_req = max(a.min_requests, clients * a.requests_per_client)
     jobs: list[list[int]] = [[] for _ in range(clients)]
     for i in range(n_req):
@@ -167,6 +190,7 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
     for t in ts:
         t.start()
     procs = dict(procs or {}, client=os.getpid())
+    rows0 = batch_rows(metrics or {})
     barrier.wait()
     cpu0 = cpu_now(procs)
     t0 = time.perf_counter()
@@ -174,6 +198,9 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
         t.join()
     wall = time.perf_counter() - t0
     cpu1 = cpu_now(procs)
+    rows1 = batch_rows(metrics or {})
+    rows_per_forward = {k: round((rows1[k][0] - rows0[k][0]) / (rows1[k][1] - rows0[k][1]), 2)
+                        for k in rows1 if k in rows0 and rows1[k][1] > rows0[k][1]}
     ok = [results[i] for i in range(n_req) if results[i]["ok"]]
     lat = sorted(r["latency_s"] for r in ok)
     tokens = sum(r["tokens"] for r in ok)
@@ -187,6 +214,7 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
             "mean_latency_s": statistics.mean(lat) if lat else 0.0,
             "acceptance": sum(r["accepted"] for r in ok) / drafted if drafted else 0.0,
             "cpu_ms_per_token": {k: round(1000 * (cpu1[k] - cpu0[k]) / max(1, tokens), 3) for k in procs},
+            "rows_per_forward": rows_per_forward,
             "texts": {i: results[i].get("text") for i in range(n_req)}}
 
 
@@ -233,7 +261,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                 for rep in range(a.repeats):
                     for mode in (modes if rep % 2 == 0 else modes[::-1]):
                         reps[mode].append(point(stack.url, ps, a, clients, temperature, mode == "spec",
-                                                stack.pids()))
+                                                stack.pids(), stack.metrics))
                 for mode in modes:
                     runs = reps[mode]
                     p = dict(sorted(runs, key=lambda x: x["tokens_per_s"])[(len(runs) - 1) // 2])  # median
@@ -241,6 +269,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                     if len(runs) > 1:
                         p["repeat_tokens_per_s"] = [round(x["tokens_per_s"], 3) for x in runs]
                         p["repeat_cpu_ms_per_token"] = [x.get("cpu_ms_per_token") for x in runs]
+                        p["repeat_rows_per_forward"] = [x.get("rows_per_forward") for x in runs]
                     if mode == "spec" and "target" in reps:
                         pairs = zip(runs, reps["target"], strict=True)
                         p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
@@ -273,7 +302,9 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                     for x in runs:
                         print(f"[{label}]        CPU ms per token: "
                               + "  ".join(f"{k} {v:.1f}" for k, v in x.get("cpu_ms_per_token", {}).items())
-                              + f"  ({x['tokens_per_s']:.2f} tok/s)", flush=True)
+                              + f"  ({x['tokens_per_s']:.2f} tok/s)"
+                              + (f"  rows per forward {x['rows_per_forward']}" if x.get("rows_per_forward") else ""),
+                              flush=True)
     finally:
         stack.stop()
     return out
