@@ -51,8 +51,8 @@ class BatchConfig:
     max_rows: int = 32  # sessions in one forward at most
     max_tokens: int = 4096  # tokens in one forward at most (rows x the longest row: the padded forward)
     # how long the first row may wait for others in flight or expected back (None = automatic: 15% of
-    # the mean forward time, 1 to 30 ms, for rows in flight; half a one-token forward, at most 250 ms,
-    # for sessions expected back from their clients)
+    # the mean forward time, 1 to 30 ms, for rows in flight; the base of the fitted price of a forward,
+    # at most 250 ms, for sessions expected back from their clients)
     max_wait_ms: float | None = None
     prefill_chunk: int = 512  # long feeds run in chunks of this many tokens
     kv_cache_tokens: int = 0  # KV pool size in tokens (0 = automatic, see pool_tokens)
@@ -364,15 +364,16 @@ class BatchScheduler:
         return min(0.030, max(0.001, 0.15 * self._forward_s))
 
     def _return_wait_s(self) -> float:
-        """How long the first row may wait for sessions expected back from their clients. Rows
-        that miss a forward run in one of their own, which costs about a whole forward (its fixed
-        part: weights read, kernels launched) -- and the sessions served apart then come back apart
-        again. So waiting pays up to a share of a one-token forward: half of it, at most 250 ms
-        (the configured --batch-wait-ms where one is set)."""
+        """How long the first row may wait for sessions expected back from their clients. Rows that
+        miss a forward run in one of their own, which costs the fixed part of a forward again (the
+        base of the server's fitted price: weights read, kernels launched) -- and the sessions
+        served apart then come back apart again -- while the wait leaves the device idle. So
+        waiting pays up to that base (one split avoided pays it back; a split that would persist,
+        more), at most 250 ms (the configured --batch-wait-ms where one is set). Where a forward's cost is mostly per row (a large
+        vocabulary's head on a CPU), merging saves little and the wait is short."""
         if self.cfg.max_wait_ms is not None:
             return self.cfg.max_wait_ms / 1000.0
-        one = self.cost_ms[0] / 1000.0 if self.cost_ms else self._forward_s
-        return max(self._max_wait_s(), min(0.25, 0.5 * one))
+        return min(0.25, 1e-3 * self.prices.price().base_ms)
 
     def _reserve(self, batch: list[_Job]) -> list[_Job]:
         """Give every row a handle and its blocks (evicting idle sessions if needed); fail rows that

@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="tokens per forward")
     p.add_argument("--batch-wait-ms", type=_wait_ms, default=_wait_ms(_env("BATCH_WAIT_MS", "auto")),
                    help="longest wait of a forward for more rows in flight or expected back; auto = 15%% of the "
-                        "mean forward time (1-30 ms) for rows in flight, half a one-token forward (at most "
+                        "mean forward time (1-30 ms) for rows in flight, a forward's fixed cost (at most "
                         "250 ms) for sessions expected back from their clients (env CROSSDRAFT_BATCH_WAIT_MS)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=_env("CUDA_GRAPHS", "auto"),
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "

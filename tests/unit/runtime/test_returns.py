@@ -102,7 +102,7 @@ def test_sessions_coming_back_staggered_share_one_forward_per_round(monkeypatch)
     monkeypatch.setattr(batching, "batched_forward", forward)
     pool = type("Pool", (), {"device": type("Device", (), {"type": "cpu"})()})()
     sched = BatchScheduler(None, pool, BatchConfig(), threads=1)  # (the automatic wait)
-    sched.cost_ms = [200.0]  # (what the server's timing of its forwards would say)
+    sched.prices.set_prior([200.0])  # (what the server's timing of its forwards would say)
     sched._reserve = lambda batch: batch
     rounds, lags = 10, (0.0, 0.02, 0.04, 0.06)
     start = threading.Barrier(len(lags))
