@@ -369,8 +369,9 @@ class BatchScheduler:
         base of the server's fitted price: weights read, kernels launched) -- and the sessions
         served apart then come back apart again -- while the wait leaves the device idle. So
         waiting pays up to that base (one split avoided pays it back; a split that would persist,
-        more), at most 250 ms (the configured --batch-wait-ms where one is set). Where a forward's cost is mostly per row (a large
-        vocabulary's head on a CPU), merging saves little and the wait is short."""
+        more), at most 250 ms (the configured --batch-wait-ms where one is set). Where a forward's
+        cost is mostly per row (a large vocabulary's head on a CPU), merging saves little and the
+        wait is short."""
         if self.cfg.max_wait_ms is not None:
             return self.cfg.max_wait_ms / 1000.0
         return min(0.25, 1e-3 * self.prices.price().base_ms)
