@@ -348,10 +348,10 @@ class BatchScheduler:
                 now = time.perf_counter()
                 if skipped:
                     break
-                until = deadline if now < deadline and self.busy() > len(batch) else None
-                back = self._returns.wait_until(slots, now, returning)
-                until = back if until is None or (back is not None and back > until) else until
-                if until is None or until <= now:
+                inside = deadline if now < deadline and self.busy() > len(batch) else None
+                until = max((t for t in (inside, self._returns.wait_until(slots, now, returning)) if t is not None),
+                            default=now)
+                if until <= now:
                     break
                 self._cv.wait(until - now)
             batch, later = _split(batch, self.cost_ms)
