@@ -16,7 +16,9 @@ worker (``busy()`` counts them: a drafter's next step), and rows of sessions exp
 their clients soon (:mod:`crossdraft.runtime.returns`: sessions answered by one forward come back
 spread over their clients' round trips, and a forward that starts without the late ones splits the
 sessions into groups that each pay a whole forward from then on). With one client a row runs at
-once, so batching costs a single user nothing.
+once, so batching costs a single user nothing. On a CPU whose cores other model servers compute on
+too (a drafter beside its verifier), each forward runs in a turn (:mod:`crossdraft.runtime.turns`,
+the servers' ``--cpu-turns``): one server's forward at a time, each at its speed alone.
 
 Memory: the KV pool (paged, preallocated) holds every session's keys and values. When a row
 cannot get blocks, the worker's ``evict`` callback drops idle sessions, least recently used
@@ -34,11 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from crossdraft.decoding.costmodel import interpolate_cost
 from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
 from crossdraft.runtime.price import PriceModel
 from crossdraft.runtime.returns import Returns
+from crossdraft.runtime.rowmix import SHORT_ROW, _mixes, _split  # noqa: F401 (SHORT_ROW: tests)
+from crossdraft.runtime.turns import Turns, lock_path
 
 log = logging.getLogger("crossdraft.runtime.batching")
 
@@ -62,6 +65,10 @@ class BatchConfig:
     # device, off elsewhere; True on a CPU runs the same bucketed path without graphs (a check of
     # the padding; slower: there is nothing to capture)
     cuda_graphs: bool | None = None
+    # CPU servers whose forwards take turns with the other servers on the same cores
+    # (crossdraft.runtime.turns.lock_path: "auto", "off" or a lock file's path; None = off)
+    cpu_turns: str | None = None
+    name: str = ""  # the server's kind (names its mark beside the turns' lock file)
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "prefill_chunk", "block_size"):
@@ -180,6 +187,11 @@ class BatchScheduler:
         # in the replies: crossdraft.runtime.price)
         self.prices = PriceModel()
         self.graphs = None
+        # CPU servers sharing cores take turns at forwards (crossdraft.runtime.turns); None: no turns
+        self.turns = None
+        path = lock_path(cfg.cpu_turns) if pool.device.type == "cpu" else None
+        if path:
+            self.turns = Turns(path, cfg.name)
         use = cfg.cuda_graphs if cfg.cuda_graphs is not None else pool.device.type == "cuda"
         if use:
             from crossdraft.runtime.graphs import ForwardGraphs
@@ -303,6 +315,8 @@ class BatchScheduler:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(5)
+        if self.turns is not None and not self._thread.is_alive():
+            self.turns.close()
 
     # ---- the loop -------------------------------------------------------------------------------
     def _gather(self) -> list[_Job] | None:
@@ -432,6 +446,9 @@ class BatchScheduler:
             batch = self._reserve(batch)
             if not batch:
                 continue
+            turns = self.turns
+            if turns is not None:
+                turns.acquire()
             t0 = time.perf_counter()
             waits = [t0 - j.t_submit for j in batch]
             tokens = sum(len(j.tokens) for j in batch)
@@ -444,6 +461,9 @@ class BatchScheduler:
                     j.error = e
                     j.done.set()
                 continue
+            finally:
+                if turns is not None:
+                    turns.release()
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
@@ -494,66 +514,6 @@ class PooledKV:
 
     def close(self) -> None:
         self.sched.release(self.slot)
-
-
-# rows up to this many tokens batch together whatever their lengths (verification blocks, drafting
-# steps, short syncs): padding them to the longest costs little
-SHORT_ROW = 32
-
-
-def _mixes(rows: int, longest: int, n: int, max_tokens: int) -> bool:
-    """Whether a row of ``n`` tokens joins a batch of ``rows`` rows (the longest ``longest``). The
-    forward pads every row to the longest: it computes rows x longest tokens. A long row (a
-    prefill chunk) among one-token steps would make each of them cost its length --
-    seen on a CPU: 16 sessions starting at once, each new prompt's 150-token chunk padded the 15
-    others' decoding steps to 150 tokens, a 2,400-token forward for 165 real ones. So a batch
-    stays within ``max_tokens`` padded, and a row longer than SHORT_ROW joins (or is joined) only
-    where that adds at most SHORT_ROW tokens of padding to the forward (about what a forward of its
-    own costs beyond its tokens: two chunks of about one length batch, a chunk and a one-token step
-    do not); the row set aside runs in the next forward."""
-    t = max(longest, n)
-    padded = (rows + 1) * t
-    if padded > max_tokens:
-        return False
-    return t <= SHORT_ROW or padded - rows * longest - n <= SHORT_ROW
-
-
-def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:
-    """(rows to run now, rows for the next forward). Every row is padded to the longest, and on a
-    CPU a forward's cost grows with its tokens: one session's 11-token block among 15 one-token
-    steps makes a forward of 176 tokens (~7 decoding steps of a 1.5B model on 2 cores, against
-    ~2.5 for the steps and the block apart). With the model's cost table (``cost_ms``) the batch
-    is cut by length where that is cheaper: the rows up to some length or the rows from some length
-    on run now -- always with the oldest row (``batch[0]``: no row waits more than one extra
-    forward) -- the rest in the next forward, whichever costs least for both forwards together.
-    On a GPU the table is flat and the batch stays whole; without a table it does too (rows longer
-    than SHORT_ROW were already kept apart by :func:`_mixes`)."""
-    if not cost_ms or len(batch) < 2:
-        return batch, []
-    lens = sorted({len(j.tokens) for j in batch})
-    if len(lens) < 2:
-        return batch, []
-    first = len(batch[0].tokens)
-
-    def total(now: list[int], rest: list[int]) -> float:
-        c = interpolate_cost(cost_ms, len(now) * max(now), 0.0)
-        return c + (interpolate_cost(cost_ms, len(rest) * max(rest), 0.0) if rest else 0.0)
-
-    sizes = [len(j.tokens) for j in batch]
-    best = total(sizes, [])  # (whole: the cut must be clearly cheaper to win)
-    keep = None
-    # the cuts that keep the oldest row and leave rows for later: rows <= L (first <= L < longest),
-    # or rows >= L (shortest < L <= first)
-    cuts = [(L, True) for L in lens if first <= L < lens[-1]] + [(L, False) for L in lens if lens[0] < L <= first]
-    for L, short in sorted(cuts, key=lambda c: (c[0], not c[1])):  # (by length; at a tie the first wins)
-        inside = [(n <= L) if short else (n >= L) for n in sizes]
-        pairs = list(zip(sizes, inside, strict=True))
-        c = total([n for n, x in pairs if x], [n for n, x in pairs if not x])
-        if c < 0.9 * best:
-            best, keep = c, inside
-    if keep is None:
-        return batch, []
-    return [j for j, x in zip(batch, keep, strict=True) if x], [j for j, x in zip(batch, keep, strict=True) if not x]
 
 
 def _chunks(tokens: list[int], chunk: int, keep: int):

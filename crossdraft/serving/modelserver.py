@@ -51,6 +51,8 @@ class ModelServerConfig:
     quantize: str = "auto"  # drafters: int8 weight copies for one-token steps (models.quant); verifiers: none
     cpu_linear: str = "auto"  # fp32 on a CPU: linear layers on oneDNN-packed weights if faster (models.cpulinear)
     cpus: tuple[int, ...] = ()  # pin the process to these CPUs, one torch thread each (() = unpinned)
+    # CPU servers on the same cores take turns at forwards (crossdraft.runtime.turns): auto, off or a lock file
+    cpu_turns: str = "auto"
 
 
 def _env(name: str, default):
@@ -59,6 +61,14 @@ def _env(name: str, default):
 
 def _bool_env(v) -> bool:
     return str(v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _turns(v) -> str:
+    """--cpu-turns: auto, off or a lock file's path."""
+    s = str(v or "").strip()
+    if not s:
+        raise InvalidArgument("cpu_turns", "must be auto, off or a lock file's path")
+    return s.lower() if s.lower() in ("auto", "off") else s
 
 
 def _wait_ms(v) -> float | None:
@@ -71,6 +81,7 @@ def _wait_ms(v) -> float | None:
         raise argparse.ArgumentTypeError(f"--batch-wait-ms: a number of ms or 'auto', got {v!r}") from None
 
 
+# one declaration per flag, in the order --help lists them: kept whole so the list reads as the manual does
 def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--model", default=_env("MODEL", None),
                    help="catalog name, HF directory, .gguf or Hugging Face Hub id org/name[@revision] "
@@ -125,6 +136,12 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="replay batched forwards of up to 16 tokens per session as CUDA graphs, one per shape "
                         "bucket; auto = on for a CUDA device; 'on' on a CPU runs the padded path without graphs "
                         "(a check, slower) (env CROSSDRAFT_CUDA_GRAPHS)")
+    p.add_argument("--cpu-turns", default=_env("CPU_TURNS", "auto"), metavar="{auto,off,FILE}",
+                   help="on a CPU, take turns at forwards with the other model servers computing on the same "
+                        "cores (one forward at a time, each at its speed alone, instead of both slowed several "
+                        "times over by threads competing for the cores); auto = with the servers of this machine "
+                        "on the same CPU set (a lock file per CPU list in the temporary directory); FILE = with "
+                        "the servers given the same file (containers sharing a directory) (env CROSSDRAFT_CPU_TURNS)")
     p.add_argument("--prefill-chunk", type=int_arg("--prefill-chunk", 1, env="CROSSDRAFT_PREFILL_CHUNK"),
                    default=str(_env("PREFILL_CHUNK", 512)),
                    help="long prefills run in chunks of this many tokens")
@@ -183,7 +200,8 @@ def config_from_args(a) -> ModelServerConfig:
                             trust_remote_code=bool(getattr(a, "trust_remote_code", False)),
                             quantize=parse_mode(getattr(a, "quantize", "auto")),
                             cpu_linear=cpulinear.parse_mode(getattr(a, "cpu_linear", "auto") or "auto"),
-                            cpus=tuple(getattr(a, "cpus", None) or ()))
+                            cpus=tuple(getattr(a, "cpus", None) or ()),
+                            cpu_turns=_turns(getattr(a, "cpu_turns", "auto")))
     batch_config(cfg)  # validates the batching flags
     cfg.tls.check_server(require_client_ca=True)
     if not 0 <= cfg.health_port < 65536:
@@ -201,14 +219,15 @@ def quantize_for(kind: str, cfg: ModelServerConfig) -> str:
     return cfg.quantize
 
 
-def batch_config(cfg: ModelServerConfig):
+def batch_config(cfg: ModelServerConfig, kind: str = ""):
     """The worker's BatchConfig from the server's flags."""
     from crossdraft.runtime.batching import BatchConfig
 
     return BatchConfig(enabled=cfg.batching, max_rows=cfg.max_batch_rows, max_tokens=cfg.max_batch_tokens,
                        max_wait_ms=cfg.batch_wait_ms, prefill_chunk=cfg.prefill_chunk,
                        kv_cache_tokens=cfg.kv_cache_tokens,
-                       kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, cuda_graphs=cfg.cuda_graphs)
+                       kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, cuda_graphs=cfg.cuda_graphs,
+                       cpu_turns=cfg.cpu_turns, name=kind)
 
 
 def pin_cpus(cpus) -> tuple[int, int] | None:
@@ -273,7 +292,7 @@ def main(kind: str, default_port: int, service_name: str, servicer, add_servicer
         print(f"{kind}: error: {e}", file=sys.stderr)
         return 2
     wcfg = WorkerConfig(max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s)
-    bcfg = batch_config(cfg)
+    bcfg = batch_config(cfg, kind)
     return serve(kind, cfg, lambda loaded: make_worker(loaded, wcfg, bcfg), lambda s: add_servicer(servicer, s),
                  service_name, servicer)
 
@@ -419,5 +438,14 @@ def export_batch_metrics(kind: str, worker) -> None:
                                ("enabled", "1 while CUDA graphs are on (0 once a capture failed or differed)",
                                 lambda: 0 if st.disabled else 1)):
             Gauge(f"crossdraft_{kind}_cuda_graphs_{name}", text).set_function(fn)
+    turns = getattr(sched, "turns", None)
+    if turns is not None:
+        for name, text, fn in (("taken", "Forwards run in a turn on the CPUs shared with other model servers so far",
+                                lambda: turns.turns),
+                               ("wait_seconds", "Seconds the forwards waited for their turn so far",
+                                lambda: turns.waited_s),
+                               ("forced", "Turns taken without the lock (the holder did not let go in time) so far",
+                                lambda: turns.forced)):
+            Gauge(f"crossdraft_{kind}_cpu_turns_{name}", text).set_function(fn)
     full = Gauge(f"crossdraft_{kind}_kv_exhausted_rows", "Rows refused so far: the KV pool was full of busy sessions")
     full.set_function(lambda: sched.stats.exhausted)

@@ -343,6 +343,7 @@ def test_gpu_pools_default(render):
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(doc)["tolerations"]
         assert env_of(doc)["CROSSDRAFT_DEVICE"]["value"] == "cuda"
         assert env_of(doc)["CROSSDRAFT_CUDA_GRAPHS"]["value"] == "auto"  # (on for CUDA: crossdraft.runtime.graphs)
+        assert env_of(doc)["CROSSDRAFT_CPU_TURNS"]["value"] == "auto"  # (CPU servers only: crossdraft.runtime.turns)
     for name in ("gateway", "redis"):
         doc = next(w for w in workloads(docs) if w["metadata"]["name"] == f"{FULL}-{name}")
         assert "nvidia.com/gpu" not in str(container(doc)["resources"])

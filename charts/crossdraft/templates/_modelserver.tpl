@@ -126,6 +126,8 @@ spec:
           value: {{ $v.batching.kvCacheMemoryFraction | quote }}
         - name: CROSSDRAFT_CUDA_GRAPHS
           value: {{ $v.batching.cudaGraphs | default "auto" | quote }}
+        - name: CROSSDRAFT_CPU_TURNS
+          value: {{ $v.batching.cpuTurns | default "auto" | quote }}
         - name: CROSSDRAFT_LOG_LEVEL
           value: {{ $v.logLevel | quote }}
         {{- if $root.Values.tls.enabled }}
