@@ -539,15 +539,13 @@ class Decoder(Pipelining):
     def _learn(self, req: Request, drafted: Drafted, res, draft_wall: float, verify_wall: float, ahead=None,
                following=None) -> None:
         """Tell the request's policy what the round showed: its acceptance (the first block's too),
-        what a drafted target token cost in drafter steps, and after the first round (whose times
-        include the prefill) the load and the wall-clock times."""
+        what a drafted target token cost in drafter steps, the load and the servers' prices, and after
+        the first round (whose times include the prefill) the wall-clock times."""
         pol = req.policy
         kd = len(drafted.target_ids)
         pol.observe(kd, res.num_accepted)
         if req.text_mode and drafted.tokens:
             pol.observe_steps(len(drafted.tokens), kd)
-        if req.first:
-            return
         # how many sessions share the verifier's forwards (its recent senders; else this batch's
         # rows), and at least the requests in this loop now: each sends the verifier rows
         # whenever it is not waiting on the drafter, but a session that waits long on a busy
@@ -564,6 +562,8 @@ class Decoder(Pipelining):
         # would price their first rounds far below the load they share)
         pol.load_at_least(self._running)
         self._load = pol.costs.batch
+        if req.first:  # (the load is priced from the first round on: a burst's requests enter meanwhile)
+            return
         # wall-clock corrections (measured costs only). A block after skipped rounds first feeds the
         # drafter what it missed, all in its first step's forward: its other steps still time the
         # drafter (so a probe corrects a wrong cost table too)

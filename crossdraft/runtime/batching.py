@@ -40,7 +40,7 @@ from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
 from crossdraft.runtime.price import PriceModel
 from crossdraft.runtime.returns import Returns
-from crossdraft.runtime.rowmix import SHORT_ROW, _mixes, _split  # noqa: F401 (SHORT_ROW: tests)
+from crossdraft.runtime.rowmix import SHORT_ROW, _mixes, _split
 from crossdraft.runtime.turns import Turns, lock_path
 
 log = logging.getLogger("crossdraft.runtime.batching")
@@ -467,7 +467,8 @@ class BatchScheduler:
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
-            self.prices.observe(len(batch), tokens, dt)
+            if max(len(j.tokens) for j in batch) <= SHORT_ROW:  # (the price is of decoding rounds' forwards)
+                self.prices.observe(len(batch), tokens, dt)
             t_done = time.perf_counter()
             with self._cv:
                 for j in batch:

@@ -14,7 +14,11 @@ machine), with a prior taken from the one-row table. Target-only rounds only eve
 with as many tokens as rows, which fix ``row + token`` but not the split: the prior holds the
 per-token slope near the table's (the table measured it) and lets the per-row cost move freely,
 so the per-row extra lands in ``row``. Forwards with blocks (tokens > rows) then measure the
-token slope too.
+token slope too. The server fits only forwards whose rows are short (at most
+crossdraft.runtime.rowmix.SHORT_ROW tokens: decoding steps, verification blocks, short syncs): a
+prompt's chunks attend over themselves and put per-row costs in their forwards that no decoding round
+pays, and a burst of new requests, all prefilling, would otherwise price rows far above what the
+rounds that follow pay (and tokens, beside them, as nearly free).
 
 The fit is published in every reply (:class:`Price`; proto ``Price``): each gateway chooses its
 sessions' draft lengths against the server's current price of a row and of a token

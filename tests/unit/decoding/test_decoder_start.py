@@ -517,3 +517,45 @@ def test_while_the_load_gate_holds_measured_rounds_draft_nothing_and_fixed_block
     eng.decoder._scales.clear()  # (the fixed blocks timed the drafter slower than its table says)
     evs = rounds("free", DraftConfig())
     assert evs[0].drafted > 0 and [t for ev in evs for t in ev.emitted] == ref.token_ids
+
+
+def test_the_end_of_a_burst_requests_first_round_prices_drafting_at_the_requests_in_the_loop_then(eng):
+    """A request starts in a burst (another one still before its first round: it starts target-only)
+    and 15 more requests enter the loop while its first round verifies. Its next block is priced at
+    the 16 requests in the loop when that round ends, not at the load it started with: on a CPU-like
+    verifier (a forward's cost grows with its tokens) with a cheap drafter, drafting pays for a
+    request alone and not for 16 sharing the forwards, so it does not draft (it did, priced at 2)."""
+    from crossdraft.decoding.request import Request
+
+    eng.verifier._timings = [1.0 + 0.15 * m for m in range(64)]  # (a CPU in fp32: cost grows with tokens)
+    eng.drafter_worker._timings = [0.05 * x for x in eng.verifier._timings]
+    eng.decoder._ratio.clear()
+    dec = eng.decoder
+    alone = dec.run("alone", eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT), max_new_tokens=8,
+                    params=SamplingParams(), seed=0, draft=DraftConfig())
+    assert next(iter(alone)).requested > 0  # (drafting pays for a request alone)
+    alone.close()
+    arriving = [Request(f"arriving-{i}", [1], 8, SamplingParams(), 0, DraftConfig(), None, True) for i in range(16)]
+    dec._reqs[id(arriving[0])] = arriving[0]  # (its first round pending: the burst is still starting)
+    verify = dec.verifier.verify
+
+    def verify_while_the_burst_enters(*a, **kw):
+        for r in arriving[1:]:
+            r.first = False
+            dec._reqs[id(r)] = r
+        return verify(*a, **kw)
+
+    dec.verifier = type("V", (), {"verify": staticmethod(verify_while_the_burst_enters),
+                                  "__getattr__": lambda self, name: getattr(eng.verifier, name)})()
+    run = dec.run("burst", eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT), max_new_tokens=8,
+                  params=SamplingParams(), seed=0, draft=DraftConfig())
+    it = iter(run)
+    try:
+        first, second = next(it), next(it)
+    finally:
+        for r in arriving:
+            dec._reqs.pop(id(r), None)
+        run.close()
+    assert first.requested == 0 and first.skip_reason == "starting"
+    assert second.requested == 0 and second.skip_reason == "load"
+    assert eng.counting.drafts == 1  # (the lone request's first block only)

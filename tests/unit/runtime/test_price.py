@@ -77,3 +77,25 @@ def test_the_price_crosses_the_wire_and_a_bad_one_is_dropped():
     assert wire.price_from_proto(verifier_pb2.VerifyResponse()) is None  # an older or unbatched verifier
     for bad in (Price(float("nan"), 1, 1), Price(-5, 1, 1), Price(0, 0, 0), Price(1, float("inf"), 0)):
         assert wire.price_from_proto(verifier_pb2.VerifyResponse(price=wire.price_to_proto(bad))) is None
+
+
+def test_the_server_prices_only_forwards_of_short_rows(monkeypatch):
+    """A prompt's chunk (a row longer than SHORT_ROW) is not a decoding round's forward: the scheduler
+    leaves it out of the fit; one-token steps and blocks go in. (A stand-in forward: no model.)"""
+    from crossdraft.runtime import batching
+    from crossdraft.runtime.batching import SHORT_ROW, BatchConfig, BatchScheduler, KVSlot
+
+    monkeypatch.setattr(batching, "batched_forward", lambda model, pool, rows, head=None, graphs=None:
+                        [None] * len(rows))
+    pool = type("Pool", (), {"device": type("Device", (), {"type": "cpu"})()})()
+    sched = BatchScheduler(None, pool, BatchConfig(max_wait_ms=0), threads=1)
+    sched._reserve = lambda batch: batch
+    try:
+        slot = KVSlot()
+        sched.forward(slot, 0, [1] * (SHORT_ROW + 1), 1)  # a prompt's chunk
+        assert sched.prices.price().forwards == 0
+        sched.forward(slot, SHORT_ROW + 1, [1], 1)  # a decoding step
+        sched.forward(slot, SHORT_ROW + 2, [1] * SHORT_ROW, 1)  # (a block at the limit)
+        assert sched.prices.price().forwards == 2
+    finally:
+        sched.close()
