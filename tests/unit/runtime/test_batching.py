@@ -22,6 +22,7 @@ from crossdraft.runtime.batching import BatchConfig, KVSlot
 from crossdraft.runtime.workers import DrafterWorker, VerifierWorker, WorkerConfig
 from crossdraft.vocab.pair import TokenPair
 from tests.tiny_models import tiny_lm
+from tests.unit.runtime.threads import run_threads as _run_threads
 
 GREEDY = SamplingParams()
 WCFG = WorkerConfig(max_sessions=64)
@@ -44,27 +45,6 @@ def _forward_counter(model):
     h = model.model.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["input_ids"].shape),
                                               with_kwargs=True)
     return calls, h
-
-
-def _run_threads(fns):
-    errors = []
-    start = threading.Barrier(len(fns))
-
-    def wrap(fn):
-        try:
-            start.wait()
-            fn()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    ts = [threading.Thread(target=wrap, args=(f,)) for f in fns]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert not any(t.is_alive() for t in ts), "a caller hung"
-    if errors:
-        raise errors[0]
 
 
 def _run_held(w, model, fns) -> list:

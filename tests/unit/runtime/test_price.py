@@ -84,11 +84,11 @@ def test_the_server_prices_only_forwards_of_short_rows(monkeypatch):
     leaves it out of the fit; one-token steps and blocks go in. (A stand-in forward: no model.)"""
     from crossdraft.runtime import batching
     from crossdraft.runtime.batching import SHORT_ROW, BatchConfig, BatchScheduler, KVSlot
+    from tests.unit.runtime.threads import cpu_pool
 
     monkeypatch.setattr(batching, "batched_forward", lambda model, pool, rows, head=None, graphs=None:
                         [None] * len(rows))
-    pool = type("Pool", (), {"device": type("Device", (), {"type": "cpu"})()})()
-    sched = BatchScheduler(None, pool, BatchConfig(max_wait_ms=0), threads=1)
+    sched = BatchScheduler(None, cpu_pool(), BatchConfig(max_wait_ms=0), threads=1)
     sched._reserve = lambda batch: batch
     try:
         slot = KVSlot()

@@ -1,12 +1,12 @@
 """When a batching scheduler expects each session's next row back (crossdraft.runtime.returns): exact
 checks on synthetic times, then the scheduler with real threads whose rows come back staggered."""
 
-import threading
 import time
 
 from crossdraft.runtime import batching
 from crossdraft.runtime.batching import BatchConfig, BatchScheduler, KVSlot
 from crossdraft.runtime.returns import Returns
+from tests.unit.runtime.threads import cpu_pool, run_threads
 
 
 def _steady(r: Returns, key, answered_at: float, ret: float, rounds: int) -> float:
@@ -100,27 +100,20 @@ def test_sessions_coming_back_staggered_share_one_forward_per_round(monkeypatch)
         return [None] * len(rows)
 
     monkeypatch.setattr(batching, "batched_forward", forward)
-    pool = type("Pool", (), {"device": type("Device", (), {"type": "cpu"})()})()
-    sched = BatchScheduler(None, pool, BatchConfig(), threads=1)  # (the automatic wait)
+    sched = BatchScheduler(None, cpu_pool(), BatchConfig(), threads=1)  # (the automatic wait)
     sched.prices.set_prior([200.0])  # (what the server's timing of its forwards would say)
     sched._reserve = lambda batch: batch
     rounds, lags = 10, (0.0, 0.02, 0.04, 0.06)
-    start = threading.Barrier(len(lags))
 
     def client(lag: float) -> None:
         slot = KVSlot()
-        start.wait()
         for _ in range(rounds):
             sched.forward(slot, 0, [1], 1)
             time.sleep(lag)
         sched.release(slot)
 
-    threads = [threading.Thread(target=client, args=(lag,)) for lag in lags]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads([lambda lag=lag: client(lag) for lag in lags], 60)
     finally:
         sched.close()
     assert sum(calls) == rounds * len(lags)

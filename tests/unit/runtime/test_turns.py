@@ -18,6 +18,7 @@ from crossdraft.errors import InvalidArgument
 from crossdraft.runtime import batching
 from crossdraft.runtime.batching import BatchConfig, BatchScheduler, KVSlot
 from crossdraft.runtime.turns import Turns, lock_path
+from tests.unit.runtime.threads import cpu_pool, run_threads
 
 
 def test_the_lock_file_of_each_setting(tmp_path):
@@ -64,20 +65,19 @@ def _forwards(monkeypatch, events: list, seconds: float = 0.02) -> None:
 
 
 def _scheduler(name: str, turns: str | None) -> BatchScheduler:
-    pool = type("Pool", (), {"device": type("Device", (), {"type": "cpu"})()})()
-    sched = BatchScheduler(name, pool, BatchConfig(max_wait_ms=0, cpu_turns=turns, name=name), threads=1)
+    sched = BatchScheduler(name, cpu_pool(), BatchConfig(max_wait_ms=0, cpu_turns=turns, name=name), threads=1)
     sched._reserve = lambda batch: batch
     return sched
 
 
-def _clients(sched: BatchScheduler, n: int, rounds: int) -> list[threading.Thread]:
+def _clients(sched: BatchScheduler, n: int, rounds: int) -> list:
     def client():
         slot = KVSlot()
         for _ in range(rounds):
             sched.forward(slot, 0, [1], 1)
         sched.release(slot)
 
-    return [threading.Thread(target=client) for _ in range(n)]
+    return [client] * n
 
 
 def test_two_servers_forwards_never_overlap_and_alternate(monkeypatch, tmp_path):
@@ -89,16 +89,11 @@ def test_two_servers_forwards_never_overlap_and_alternate(monkeypatch, tmp_path)
     _forwards(monkeypatch, events)
     path = str(tmp_path / "turns.lock")
     v, d = _scheduler("verifier", path), _scheduler("drafter", path)
-    threads = _clients(v, 3, 12) + _clients(d, 3, 12)
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads(_clients(v, 3, 12) + _clients(d, 3, 12), 60)
     finally:
         v.close()
         d.close()
-    assert not any(t.is_alive() for t in threads)
     assert sum(n for _, what, n in events if what == "end") == 6 * 12
     running = None
     for model, what, _ in events:  # strictly start/end pairs of one model at a time
