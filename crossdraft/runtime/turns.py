@@ -88,23 +88,27 @@ class Turns:
         waiting when this server's last turn ended take theirs first."""
         t0 = time.perf_counter()
         self._lock.acquire()
-        owed, self._owed = self._owed, []
-        for fd in owed:
-            self._hand_over(fd)
-        fcntl.flock(self._mark_fd, fcntl.LOCK_EX)  # "waiting": peers ending their turn let this one go first
         try:
-            deadline = t0 + self.max_wait_s
-            self._held = self._try(self._fd, fcntl.LOCK_EX)
-            while not self._held:
-                if time.perf_counter() >= deadline:
-                    self.forced += 1
-                    log.warning("no turn on %s after %.0f s: computing beside the server that holds it",
-                                self.path, self.max_wait_s)
-                    break
-                time.sleep(self.poll_s)
+            owed, self._owed = self._owed, []
+            for fd in owed:
+                self._hand_over(fd)
+            fcntl.flock(self._mark_fd, fcntl.LOCK_EX)  # "waiting": peers ending their turn let this one go first
+            try:
+                deadline = t0 + self.max_wait_s
                 self._held = self._try(self._fd, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(self._mark_fd, fcntl.LOCK_UN)
+                while not self._held:
+                    if time.perf_counter() >= deadline:
+                        self.forced += 1
+                        log.warning("no turn on %s after %.0f s: computing beside the server that holds it",
+                                    self.path, self.max_wait_s)
+                        break
+                    time.sleep(self.poll_s)
+                    self._held = self._try(self._fd, fcntl.LOCK_EX)
+            finally:
+                fcntl.flock(self._mark_fd, fcntl.LOCK_UN)
+        except OSError:  # (a file system without flock, a file removed under it: compute without turns)
+            log.warning("turns on %s failed: computing without a turn", self.path, exc_info=True)
+            self.forced += 1
         w = time.perf_counter() - t0
         self.waited_s += w
         self.turns += 1
@@ -115,9 +119,11 @@ class Turns:
         (here, the caller goes on at once: its rows' results are not held up by the hand-over)."""
         try:
             if self._held:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
                 self._held = False
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
                 self._owed = [fd for fd in map(self._open, self._waiting()) if fd is not None]
+        except OSError:
+            log.warning("ending a turn on %s failed", self.path, exc_info=True)
         finally:
             self._lock.release()
 

@@ -168,3 +168,16 @@ def test_marks_of_servers_that_died_are_swept(tmp_path):
     finally:
         t.close()
     assert not os.path.exists(t._mark)
+
+
+def test_a_lock_file_that_fails_leaves_the_forwards_running_without_turns(tmp_path):
+    t = Turns(str(tmp_path / "turns.lock"), "verifier")
+    os.close(t._mark_fd)  # (its mark cannot be locked any more: flock raises)
+    try:
+        for _ in range(2):
+            t.acquire()
+            t.release()
+        assert t.turns == 2 and t.forced == 2
+    finally:
+        t._mark_fd = os.open(t._mark, os.O_RDWR)
+        t.close()
