@@ -169,13 +169,6 @@ class Turns:
         finally:
             os.close(fd)
 
-    def __enter__(self) -> Turns:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
     def close(self) -> None:
         """Let go of the files (the mark is removed: nobody waits for this server any more)."""
         for fd in self._owed:
