@@ -223,9 +223,15 @@ class DraftPolicy:
             self.relax_record()
 
     def log_fields(self) -> dict:
-        """The policy's view for a round log line (rounded)."""
+        """The policy's view for a round log line (rounded): besides the inputs, what the chooser concluded
+        from them -- the best block size and its rate at the acceptance estimate (tokens per target step;
+        drafting needs ``need``), the odds against a probe's finding text that pays, and what a failed
+        probe would cost now (target steps, feeding the drafter what it has not seen)."""
         c = self.costs
-        return dict(load=round(c.batch, 2), others_drafting=c.others,
+        best_k, best_rate = self._best(self.acceptance.alpha())
+        return dict(best_k=best_k, best_rate=round(best_rate, 3), need=round(c.need(), 3),
+                    odds=round(self.probe_odds(), 2), probe_cost=round(self.probe_cost(max(1, self.unfed)), 3),
+                    load=round(c.batch, 2), others_drafting=c.others,
                     peer_alpha=None if c.peer_alpha is None else round(c.peer_alpha, 3),
                     alpha=round(self.acceptance.alpha(), 3), scale_d=round(c.scale_d, 3),
                     scale_v=round(c.scale_v, 3), scale_o=round(c.scale_o, 3),

@@ -10,15 +10,21 @@ is now. The server measures it where it happens: after every batched forward,
     ms = base + row * rows + token * tokens
 
 that forgets old forwards (weight ``decay`` per forward, so the fit follows the load and the
-machine), with a prior taken from the one-row table. Target-only rounds only ever run forwards
+machine), with a prior taken from the one-row table. Target-only rounds under load run forwards
 with as many tokens as rows, which fix ``row + token`` but not the split: the prior holds the
-per-token slope near the table's (the table measured it) and lets the per-row cost move freely,
-so the per-row extra lands in ``row``. Forwards with blocks (tokens > rows) then measure the
-token slope too. The server fits only forwards whose rows are short (at most
-crossdraft.runtime.rowmix.SHORT_ROW tokens: decoding steps, verification blocks, short syncs): a
-prompt's chunks attend over themselves and put per-row costs in their forwards that no decoding round
-pays, and a burst of new requests, all prefilling, would otherwise price rows far above what the
-rounds that follow pay (and tokens, beside them, as nearly free).
+per-token slope near the table's (the table measured it) and the per-row cost, more loosely, near
+none, so the per-row extra lands in ``row``. Forwards with blocks (tokens > rows) then measure the
+token slope too. Forwards of one row (one session alone) fix ``base + row`` but not the split: the
+base is free, so where the machine runs slower or faster than its table did, the difference lands
+in the base -- a cost every forward pays once -- and not in a per-row cost that the rows of a batch
+would multiply (a price fitted while one session ran would otherwise make a first batch of four
+cost twice what it does, and the blocks priced on top of it look nearly free).
+
+The server fits only forwards whose rows are short (at most crossdraft.runtime.rowmix.SHORT_ROW
+tokens: decoding steps, verification blocks, short syncs): a prompt's chunks attend over themselves
+and put per-row costs in their forwards that no decoding round pays, and a burst of new requests,
+all prefilling, would otherwise price rows far above what the rounds that follow pay (and tokens,
+beside them, as nearly free).
 
 The fit is published in every reply (:class:`Price`; proto ``Price``): each gateway chooses its
 sessions' draft lengths against the server's current price of a row and of a token
@@ -54,10 +60,10 @@ class PriceModel:
     """Exponentially forgetting least squares of forward time over (1, rows, tokens), with a prior."""
 
     decay = 0.98  # weight of the fit's history per new forward (~50 forwards of memory)
-    # prior precisions (in observations' worth): the base and the per-token slope are held near the
-    # table, the per-row cost is free to move
-    prior_base = 0.5
-    prior_row = 1e-3
+    # prior precisions (in observations' worth): the per-token slope is held near the table, the per-row
+    # cost loosely near none (any batch of several rows outweighs it), the base is free to move
+    prior_base = 1e-3
+    prior_row = 0.5
     prior_token = 50.0
 
     def __init__(self, table_ms: list[float] | None = None):

@@ -44,6 +44,20 @@ def test_target_only_batches_put_the_per_row_extra_in_the_row_cost():
     assert p.ms(16, 16) == pytest.approx(18.0 + 16 * 10.5, rel=0.02)
 
 
+def test_one_session_alone_puts_a_slower_machine_in_the_base_not_in_the_rows():
+    """Forwards of one row (a session alone: single tokens and blocks) on a machine running 30 ms
+    slower than its table fix base + row but not the split: the difference is a cost each forward
+    pays once, so a first batch of four single tokens is priced at what four rows cost (base + 4
+    tokens), not at four times the extra."""
+    m = PriceModel(TABLE)
+    _feed(m, lambda r, t: 30.0 + 18.5 + 1.5 * t, [(1, t) for t in (1, 1, 1, 3, 5, 2)] * 10)
+    p = m.price()
+    assert p.token_ms == pytest.approx(1.5, rel=0.05)
+    assert p.row_ms < 0.5
+    assert p.ms(1, 1) == pytest.approx(50.0, rel=0.01)
+    assert p.ms(4, 4) == pytest.approx(48.5 + 6.0, rel=0.02)
+
+
 def test_the_price_follows_a_machine_that_slows_down():
     """Old forwards weigh less with every new one: after the machine becomes twice as slow, the
     price of a 16-row batch moves from the old cost to (near) the new one."""
