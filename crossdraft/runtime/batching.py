@@ -97,9 +97,10 @@ class KVSlot:
 
 class _Job:
     __slots__ = ("slot", "start", "tokens", "keep", "head", "done", "result", "error", "t_submit", "wait_s",
-                 "batch_rows", "batch_tokens", "final")
+                 "batch_rows", "batch_tokens", "final", "more")
 
-    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head, final: bool = True):
+    def __init__(self, slot: KVSlot, start: int, tokens: list[int], keep: int, head, final: bool = True,
+                 more: bool = False):
         self.slot = slot
         self.start = start
         self.tokens = tokens
@@ -113,6 +114,7 @@ class _Job:
         self.batch_rows = 0
         self.batch_tokens = 0
         self.final = final  # the last chunk of the caller's feed: its answer sends the session out
+        self.more = more  # and its caller may send the next row at once (a drafter's block goes on)
 
 
 @dataclass
@@ -189,6 +191,7 @@ class BatchScheduler:
         self.graphs = None
         # CPU servers sharing cores take turns at forwards (crossdraft.runtime.turns); None: no turns
         self.turns = None
+        self._turn_t0 = None  # when the turn held now began (None: none held between forwards)
         path = lock_path(cfg.cpu_turns) if pool.device.type == "cpu" else None
         if path:
             self.turns = Turns(path, cfg.name)
@@ -266,17 +269,19 @@ class BatchScheduler:
 
     # ---- the callers' side ----------------------------------------------------------------------
     def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int,
-                head=None) -> tuple[torch.Tensor, ForwardInfo]:
+                head=None, more: bool = False) -> tuple[torch.Tensor, ForwardInfo]:
         """Feed tokens at positions start..; block until done; (logits [keep, V or A] float32, info).
 
-        The slot's KV entries from ``start`` on are replaced (a rollback is just a smaller start)."""
+        The slot's KV entries from ``start`` on are replaced (a rollback is just a smaller start).
+        ``more``: the caller may send its next row as soon as it has this answer (a drafter's block
+        goes on), so a turn on shared CPUs may run on into that row's forward."""
         if slot.closed:
             raise NotFound("session_id", "the session's KV slot was released (evicted); re-sync")
         info = ForwardInfo()
         out = None
         pos = start
         for piece, last in _chunks(tokens, self.cfg.prefill_chunk, keep):
-            job = _Job(slot, pos, piece, keep if last else 1, head if last else None, last)
+            job = _Job(slot, pos, piece, keep if last else 1, head if last else None, last, more and last)
             with self._cv:
                 if self._stop:
                     raise ResourceExhausted("the model server is shutting down")
@@ -338,8 +343,9 @@ class BatchScheduler:
             slots = {id(batch[0].slot)}
             tokens = longest = len(batch[0].tokens)
             t_pick = time.perf_counter()
-            deadline = t_pick + self._max_wait_s()  # (callers inside the worker)
-            returning = t_pick + self._return_wait_s()  # (sessions expected back from their clients)
+            # (a turn kept from the last forward waits for nobody: the other servers sharing the cores wait for it)
+            deadline = t_pick + (self._max_wait_s() if self._turn_t0 is None else 0.0)  # (callers inside the worker)
+            returning = t_pick + (self._return_wait_s() if self._turn_t0 is None else 0.0)  # (sessions due back)
             skipped: list[_Job] = []
             while len(batch) < cfg.max_rows:
                 if self._q:
@@ -371,6 +377,18 @@ class BatchScheduler:
             batch, later = _split(batch, self.cost_ms)
             self._q.extendleft(reversed(later + skipped))
             return batch
+
+    def _end_turn_unless_row(self, linger_s: float | None = None) -> None:
+        """A turn kept from the last forward ends unless a row comes within ``linger_s`` (the turns' linger)."""
+        if self._turn_t0 is None:
+            return
+        with self._cv:
+            if not self._q and not self._stop:
+                self._cv.wait(self.turns.linger_s if linger_s is None else linger_s)
+            if self._q and not self._stop:
+                return
+        self._turn_t0 = None
+        self.turns.release()
 
     def _max_wait_s(self) -> float:
         if self.cfg.max_wait_ms is not None:
@@ -435,8 +453,10 @@ class BatchScheduler:
         if self.threads:
             torch.set_num_threads(self.threads)
         while True:
+            self._end_turn_unless_row()
             batch = self._gather()
             if batch is None:
+                self._end_turn_unless_row(0.0)
                 with self._cv:
                     for job in self._q:
                         job.error = ResourceExhausted("the model server is shutting down")
@@ -447,8 +467,9 @@ class BatchScheduler:
             if not batch:
                 continue
             turns = self.turns
-            if turns is not None:
+            if turns is not None and self._turn_t0 is None:
                 turns.acquire()
+                self._turn_t0 = time.perf_counter()
             t0 = time.perf_counter()
             waits = [t0 - j.t_submit for j in batch]
             tokens = sum(len(j.tokens) for j in batch)
@@ -462,7 +483,12 @@ class BatchScheduler:
                     j.done.set()
                 continue
             finally:
-                if turns is not None:
+                # a turn runs on into the next forward where a caller of this one sends its next row at
+                # once (a drafter's block: its steps then run one after another, as the draft-length policy
+                # prices them, instead of each waiting for a verifier forward), for at most run_on_s
+                if turns is not None and not (any(j.more for j in batch) and self._turn_t0 is not None
+                                              and time.perf_counter() - self._turn_t0 < turns.run_on_s):
+                    self._turn_t0 = None
                     turns.release()
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
@@ -502,8 +528,9 @@ class PooledKV:
             raise ValueError(f"cannot crop a cache of {self.n} tokens to {n}")
         self.n = n
 
-    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
-        out, self.last = self.sched.forward(self.slot, start, feed, keep, head)
+    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None,
+            more: bool = False) -> torch.Tensor:
+        out, self.last = self.sched.forward(self.slot, start, feed, keep, head, more)
         self.n = start + len(feed)
         return out
 

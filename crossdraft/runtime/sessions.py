@@ -145,9 +145,10 @@ class OwnKV:
         crop_cache(self.cache, n)
 
     @torch.inference_mode()
-    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, start: int, feed: list[int], keep: int, head: torch.Tensor | None = None,
+            more: bool = False) -> torch.Tensor:
         """Feed tokens at positions start..; the last `keep` rows of logits [keep, V] (or, with a
-        pruned LM head [A, hidden], of linear(h, head) [keep, A])."""
+        pruned LM head [A, hidden], of linear(h, head) [keep, A]). (``more``: a batched cache's hint.)"""
         inp = torch.tensor([feed], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(feed), device=self.device).unsqueeze(0)
         kw = dict(input_ids=inp, position_ids=pos, cache_position=pos[0], cache=self.cache, use_cache=True)
@@ -231,11 +232,11 @@ class _ModelSession:
             start = self.cache_len
         return start, seq[start:]
 
-    def forward(self, extra: list[int], keep: int, head: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, extra: list[int], keep: int, head: torch.Tensor | None = None, more=False) -> torch.Tensor:
         """Feed (ids + extra)[cache_len:]; return the last `keep` rows of logits [keep, V]
-        (with a pruned head [A, hidden]: [keep, A])."""
+        (with a pruned head [A, hidden]: [keep, A]). ``more``: another forward may follow at once (a block's step)."""
         start, feed = self._tail(extra)
-        out = self.kv.run(start, feed, keep, head)
+        out = self.kv.run(start, feed, keep, head, more)
         self.fed = self.fed[:start] + feed
         return out
 
@@ -463,13 +464,13 @@ class DrafterSession(_ModelSession):
         return last.queue_wait_s if last is not None else 0.0
 
     @torch.inference_mode()
-    def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1) -> torch.Tensor:
+    def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1, more: bool = False) -> torch.Tensor:
         """Logits of the token after ids + props over the allowed ids only: [A] float32 (keep > 1:
         the last `keep` positions' rows, [keep, A])."""
         if allowed.head is None:
-            out = self.forward(props, keep=keep).float()[:, allowed.ids_dev]
+            out = self.forward(props, keep=keep, more=more).float()[:, allowed.ids_dev]
         else:
-            out = self.forward(props, keep=keep, head=allowed.head).float()
+            out = self.forward(props, keep=keep, head=allowed.head, more=more).float()
         return out[0] if keep == 1 else out
 
     @staticmethod
@@ -533,7 +534,7 @@ class DrafterSession(_ModelSession):
             t0 = time.perf_counter()
             if healing:
                 healing = False
-                rows = self._compact_logits(allowed, props, keep=2)
+                rows = self._compact_logits(allowed, props, keep=2, more=k > 1)
                 healed = self._heal(rows, allowed, heal)
                 if healed is not None:
                     j, conf, need = healed
@@ -548,7 +549,7 @@ class DrafterSession(_ModelSession):
                     continue
                 logits = rows[1]
             else:
-                logits = self._compact_logits(allowed, props)  # [A]; feeds the uncached tail (the last proposal)
+                logits = self._compact_logits(allowed, props, more=i < k - 1)  # [A]; feeds the last proposal
             if params.repetition_penalty != 1.0:
                 if presence is None:
                     top = int(allowed.ids.max()) + 1

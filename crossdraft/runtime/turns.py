@@ -60,6 +60,10 @@ class Turns:
     poll_s = 0.0005  # how often a waiting server tries the lock again
     max_wait_s = 30.0  # a turn not had by then is taken anyway (a stopped peer holds it)
     handoff_s = 0.05  # how long an ending turn waits for each marked peer to take the next one
+    # a server whose callers send their next row as soon as they have an answer (a drafter's block) keeps
+    # the turn into that row's forward: for at most run_on_s in all, waiting at most linger_s for the row
+    run_on_s = 1.0
+    linger_s = 0.005
 
     def __init__(self, path: str, name: str = ""):
         self.path = os.path.abspath(path)

@@ -109,6 +109,50 @@ def test_two_servers_forwards_never_overlap_and_alternate(monkeypatch, tmp_path)
     assert v.turns.turns >= 1 and d.turns.turns >= 1 and v.turns.forced == d.turns.forced == 0
 
 
+def _runs(order: list, name: str) -> list[int]:
+    """Lengths of the runs of ``name``'s forwards in the order they started."""
+    runs: list[int] = []
+    for i, m in enumerate(order):
+        if m == name:
+            runs[-1:] = [runs[-1] + 1] if i and order[i - 1] == name else [*runs[-1:], 1]
+    return runs
+
+
+@pytest.mark.parametrize("run_on_s", [1.0, 0.05])
+def test_a_drafters_block_runs_in_one_turn_bounded(monkeypatch, tmp_path, run_on_s):
+    """A drafter's block sends each step's row as soon as it has the last answer (``more``): its steps
+    run one after another in one turn, never each behind a forward of the verifier, which stays busy
+    with rows of its own throughout -- for at most ``run_on_s`` (0.05 s: at most 3 forwards of 0.02 s)."""
+    events: list = []
+    _forwards(monkeypatch, events)
+    monkeypatch.setattr(Turns, "run_on_s", run_on_s)
+    path = str(tmp_path / "turns.lock")
+    v, d = _scheduler("verifier", path), _scheduler("drafter", path)
+
+    def blocks():
+        slot = KVSlot()
+        for _ in range(3):
+            for i in range(5):
+                d.forward(slot, 0, [1], 1, more=i < 4)
+            time.sleep(0.05)  # (the block's verification, elsewhere)
+        d.release(slot)
+
+    try:
+        run_threads([blocks] + _clients(v, 2, 40), 60)
+    finally:
+        v.close()
+        d.close()
+    order = [m for m, what, _ in events if what == "start"]
+    last_v = max(i for i, m in enumerate(order) if m == "verifier")
+    assert order.index("drafter") < last_v and order.count("drafter") == 15
+    runs = _runs(order[:last_v], "drafter")
+    if run_on_s >= 1.0:
+        assert runs == [5, 5, 5], order
+    else:
+        assert max(runs) <= 3 and len(runs) >= 6, order
+    assert _runs(order[:last_v], "verifier")  # (the verifier's rows went on in between)
+
+
 def test_a_scheduler_without_turns_runs_whenever_it_likes(monkeypatch, tmp_path):
     """(off, or a GPU's pool: no lock file is opened)"""
     events: list = []
