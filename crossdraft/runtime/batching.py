@@ -493,8 +493,11 @@ class BatchScheduler:
             dt = time.perf_counter() - t0
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
             self.stats.record(len(batch), tokens, waits, dt)
-            if max(len(j.tokens) for j in batch) <= SHORT_ROW:  # (the price is of decoding rounds' forwards)
-                self.prices.observe(len(batch), tokens, dt)
+            longest = max(len(j.tokens) for j in batch)
+            if longest <= SHORT_ROW:  # (the price is of decoding rounds' forwards)
+                # in the tokens the forward computed: its rows padded to the longest (a sync of 20 tokens
+                # beside three single steps costs 80, and fitted as 23 it would read as a dear row)
+                self.prices.observe(len(batch), len(batch) * longest, dt)
             t_done = time.perf_counter()
             with self._cv:
                 for j in batch:

@@ -20,7 +20,9 @@ in the base -- a cost every forward pays once -- and not in a per-row cost that 
 would multiply (a price fitted while one session ran would otherwise make a first batch of four
 cost twice what it does, and the blocks priced on top of it look nearly free).
 
-The server fits only forwards whose rows are short (at most crossdraft.runtime.rowmix.SHORT_ROW
+A forward's tokens are what it computed: its rows left-padded to the longest (crossdraft.runtime.kvpool),
+so rows x the longest row -- the same as the rows' own tokens where all are alike (decoding steps,
+blocks of one size). The server fits only forwards whose rows are short (at most crossdraft.runtime.rowmix.SHORT_ROW
 tokens: decoding steps, verification blocks, short syncs): a prompt's chunks attend over themselves
 and put per-row costs in their forwards that no decoding round pays, and a burst of new requests,
 all prefilling, would otherwise price rows far above what the rounds that follow pay (and tokens,

@@ -5,6 +5,7 @@ scheduler would measure), so every check is exact arithmetic, not a clock."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
@@ -113,3 +114,39 @@ def test_the_server_prices_only_forwards_of_short_rows(monkeypatch):
         assert sched.prices.price().forwards == 2
     finally:
         sched.close()
+
+
+def test_the_server_prices_a_ragged_forward_by_the_tokens_it_computed(monkeypatch):
+    """Rows of a batch are padded to the longest: a 20-token sync beside three one-token steps is a
+    forward of 4 x 20 tokens, and the fit gets it so (as 23 tokens its time would read as a dear
+    row). The forward is held until all four rows wait, so they run as one batch."""
+    import threading
+
+    from crossdraft.runtime import batching
+    from crossdraft.runtime.batching import BatchConfig, BatchScheduler, KVSlot
+    from tests.unit.runtime.threads import cpu_pool, run_threads
+
+    started, go = threading.Event(), threading.Event()
+    monkeypatch.setattr(batching, "batched_forward", lambda model, pool, rows, head=None, graphs=None:
+                        (started.set(), go.wait(10)) and [None] * len(rows))
+    sched = BatchScheduler(None, cpu_pool(), BatchConfig(max_wait_ms=0), threads=1)
+    sched._reserve = lambda batch: batch
+    seen = []
+    monkeypatch.setattr(sched.prices, "observe", lambda rows, tokens, s: seen.append((rows, tokens)))
+    first = threading.Thread(target=sched.forward, args=(KVSlot(), 0, [1], 1))
+    try:
+        first.start()
+        assert started.wait(10)  # (the first row's forward runs: it waits for go)
+
+        def release():
+            while len(sched._q) < 4:
+                time.sleep(0.001)
+            go.set()
+
+        rows = [lambda n=n: sched.forward(KVSlot(), 0, [1] * n, 1) for n in (20, 1, 1, 1)]
+        run_threads([*rows, release], 30)
+        first.join(10)
+    finally:
+        go.set()
+        sched.close()
+    assert seen == [(1, 1), (4, 80)]
