@@ -71,6 +71,12 @@ class CostModel:
         self.others: float | None = None
         self.peer_alpha: float | None = None
         self.colocated = True
+        # of the b sessions sharing the forwards, the share whose rows joined this session's verifications
+        # in the rounds where it drafted (exponentially weighted; 1: all -- what a GPU's batches give).
+        # Sessions drafting blocks of changing lengths on shared CPU cores fall out of step: each
+        # verification then runs in a forward of its own few rows (measured 1.8 rows at 4 clients), and
+        # pricing everyone drafting as one forward of all rows made blocks look 1.1-1.7x where they gave 0.6x
+        self.sharing = 1.0
         # pipelined rounds (crossdraft.decoding.pipeline): a block accepted whole has the next one drafted
         # during its verification -- the drafting is off the critical path, and the round's own token
         # is not taken (the ready block checks that position)
@@ -165,6 +171,13 @@ class CostModel:
         if self.measured and rows >= 1:
             d = self.batch_decay
             self.batch = d * self.batch + (1 - d) * float(rows)
+
+    def observe_sharing(self, rows: int) -> None:
+        """Measured mode: the verification of a block this session drafted ran in a forward of ``rows``
+        rows while ``batch`` sessions shared the forwards (a session alone says nothing about it)."""
+        if self.measured and rows >= 1 and self.batch > 1.5:
+            d = self.batch_decay
+            self.sharing = d * self.sharing + (1 - d) * min(1.0, rows / self.batch)
 
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float,
                      overlapped: bool = False, drop_s: float | None = None) -> None:
@@ -293,9 +306,14 @@ class CostModel:
     def _serial(self, k: int, b: float, c: float) -> float:
         """Tokens per target step per token of serial rounds of k, b sessions drafting alike (c: a drafter
         step's cost): b * E(k) tokens for v(b(k + 1)) + k drafter forwards of b rows, against b tokens for
-        v(b) target-only (b = 1: one session alone)."""
+        v(b) target-only (b = 1: one session alone). Where the drafted verifications were measured to run
+        in forwards of r < b rows (``sharing``), the b sessions' blocks take b / r forwards of r rows -- and,
+        on the verifier's hardware, as many drafter steps of r rows one after another."""
         sv = self.scale_v
-        return sv * self.fwd(b, 1) / (sv * self.fwd(b, k + 1) + k * c * self.dcost(b))
+        r = max(1.0, min(b, self.sharing * b)) if b > 1 else b
+        parts = b / r
+        return sv * self.fwd(b, 1) / (parts * sv * self.fwd(r, k + 1)
+                                      + (parts if self.colocated else 1.0) * k * c * self.dcost(r))
 
     def _pipelined(self, k: int, a: float, e: float, b: float, c: float) -> tuple[float, float]:
         """(tokens, tokens per target step per token) of a pipelined round of k at acceptance a: with

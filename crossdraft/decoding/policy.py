@@ -201,11 +201,12 @@ class DraftPolicy:
         self.unfed = tokens
 
     # ---- what one request carries from the earlier ones of its decoder -----------------------------
-    def scales(self) -> tuple[float, float, float, float]:
-        """The online corrections of the cost tables: (drafter, verifier) measured/predicted times, and
-        the pipelined rounds' (the verification beside the drafter, a dropped block's wait)."""
+    def scales(self) -> tuple[float, float, float, float, float]:
+        """The online corrections of the cost tables: (drafter, verifier) measured/predicted times, the
+        pipelined rounds' (the verification beside the drafter, a dropped block's wait), and the share of
+        the load that drafted verifications were measured to share forwards with."""
         c = self.costs
-        return c.scale_d, c.scale_v, c.scale_o, c.drop_wait
+        return c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing
 
     def probe_record(self) -> tuple[float, float, float, float]:
         """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted."""
@@ -217,7 +218,7 @@ class DraftPolicy:
         probes' record (relaxed toward the prior, :meth:`relax_record`)."""
         if scales is not None:
             c = self.costs
-            c.scale_d, c.scale_v, c.scale_o, c.drop_wait = (*scales, 1.0, 0.0)[:4]
+            c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing = (*scales, 1.0, 0.0, 1.0)[:5]
         if record is not None:
             self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record
             self.relax_record()
@@ -234,7 +235,7 @@ class DraftPolicy:
                     load=round(c.batch, 2), others_drafting=c.others,
                     peer_alpha=None if c.peer_alpha is None else round(c.peer_alpha, 3),
                     alpha=round(self.acceptance.alpha(), 3), scale_d=round(c.scale_d, 3),
-                    scale_v=round(c.scale_v, 3), scale_o=round(c.scale_o, 3),
+                    scale_v=round(c.scale_v, 3), scale_o=round(c.scale_o, 3), sharing=round(c.sharing, 3),
                     steps_per_token=round(c.steps_per_token(), 3), probing=self.probing, interval=self.interval)
 
     # ---- the rate and the one search over block sizes ----------------------------------------------

@@ -137,3 +137,29 @@ def test_a_drafter_whose_batched_steps_cost_per_row_has_fewer_sessions_draft():
     before = [alone.rate(k) for k in range(1, 11)]
     alone.costs.see_price(FLAT, per_row)
     assert [alone.rate(k) for k in range(1, 11)] == pytest.approx(before)
+
+
+def test_drafted_verifications_measured_out_of_step_price_everyone_drafting_at_their_forwards():
+    """A GPU-like price at 8 sessions, all drafting at 80%: priced as one forward of every session's
+    block, drafting pays. The drafted blocks' verifications were measured to run in forwards of 2 rows
+    (the sessions fell out of step): the 8 blocks then take 4 forwards, and drafting stops paying --
+    the sessions' own share of the forwards is what they get, not what one batch of all would. A
+    session alone says nothing about it; a block verified with all of them restores it."""
+    p = _policy(8, 0.8, FLAT, colocated=True)
+    assert p.pays() and p.costs.sharing == 1.0
+    for _ in range(10):
+        p.costs.observe_sharing(2)
+    assert p.costs.sharing == pytest.approx(0.25, abs=0.03)
+    assert not p.pays()
+    alone = _policy(1, 0.8, FLAT)
+    alone.costs.observe_sharing(1)
+    assert alone.costs.sharing == 1.0
+    for _ in range(10):
+        p.costs.observe_sharing(8)
+    assert p.costs.sharing == pytest.approx(1.0, abs=0.03) and p.pays()
+    # and the request that follows starts from what the drafted rounds measured (the decoder carries it)
+    nxt = _policy(8, 0.8, FLAT, colocated=True)
+    for _ in range(10):
+        p.costs.observe_sharing(2)
+    nxt.resume(p.scales())
+    assert nxt.costs.sharing == p.costs.sharing < 0.3 and not nxt.pays()

@@ -279,6 +279,27 @@ def test_under_load_rounds_run_serially(close_pair, tmp_path, monkeypatch):
     assert out.stats.pipelined_blocks + out.stats.dropped_blocks <= 2  # rounds 0 and 1 started before it was seen
 
 
+def test_drafted_blocks_verified_apart_from_the_load_are_learnt_and_carried(close_pair, tmp_path, monkeypatch):
+    """A verifier that reports 4 sessions sharing its forwards but verifies each drafted block in a forward
+    of its own (1 row): the round loop learns that drafted verifications share their forwards with a
+    quarter of the load (CostModel.sharing, priced in everyone-drafting rounds), and the decoder carries
+    it to the next request of the mode."""
+    import dataclasses
+
+    monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
+    eng = Engine(*close_pair, vocab_cache_dir=tmp_path)
+
+    class Apart(Counting):
+        def verify(self, *a, **kw):
+            return dataclasses.replace(super().verify(*a, **kw), active_sessions=4, batch_size=1)
+
+    eng.decoder.verifier = Apart(eng.verifier)
+    out = _gen(eng, PROMPTS[0], False)
+    assert out.stats.cost_model == "measured" and out.stats.drafted > 0
+    carried = [s[4] for s in eng.decoder._scales.values()]
+    assert carried and all(x < 0.4 for x in carried)
+
+
 def test_a_verifier_without_drop_last_is_resynced(close):
     """An older verifier ignores drop_last_token and finds the history one token longer than the
     caller states: FAILED_PRECONDITION, a re-sync, the same tokens."""
