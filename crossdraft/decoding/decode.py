@@ -547,13 +547,13 @@ class Decoder(Pipelining):
         pol.observe(kd, res.num_accepted)
         if req.text_mode and drafted.tokens:
             pol.observe_steps(len(drafted.tokens), kd)
+        if kd:  # with how many rows a drafted block was verified, against the load (CostModel.sharing)
+            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0)
         # how many sessions share the verifier's forwards (its recent senders; else this batch's
         # rows), and at least the requests in this loop now: each sends the verifier rows
         # whenever it is not waiting on the drafter, but a session that waits long on a busy
         # drafter drops out of the verifier's count of recent senders, and pricing with that
         # smaller count would have more sessions draft than pays
-        if kd:  # (with how many of them a drafted block was verified)
-            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0)
         pol.observe_batch(max(getattr(res, "active_sessions", 0) or getattr(res, "batch_size", 1) or 1, self._running))
         # the servers' prices of a row and of a token now (batched verifiers publish theirs in every reply,
         # batched drafters on each Draft stream's last message)
