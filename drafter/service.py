@@ -103,7 +103,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         DRAFT_TOKENS.inc()
         TOKEN_SECONDS.observe(tok.forward_s)
         msg = drafter_pb2.DraftToken(token_id=tok.id, forward_ms=tok.forward_s * 1e3, last=tok.last,
-                                     heals=tok.heals, queue_wait_ms=tok.queue_s * 1e3)
+                                     heals=tok.heals, queue_wait_ms=tok.queue_s * 1e3,
+                                     batch_rows=tok.batch_rows)
         if tok.last:  # the block's last proposal carries the drafter's price of a step
             price = wire.price_to_proto(w.price())
             if price is not None:

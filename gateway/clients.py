@@ -280,7 +280,8 @@ class RemoteDrafter(_Remote):
             q_probs = np.asarray(t.q_probs, dtype=np.float32) if q_ids is not None else None
             toks.append(DraftToken(t.token_id, q_ids, q_probs, t.forward_ms / 1e3, t.last,
                                    heals=t.heals and not toks, queue_s=t.queue_wait_ms / 1e3, prob=t.prob,
-                                   alt=t.runner_up_id if t.runner_up_prob > 0 else -1, alt_prob=t.runner_up_prob))
+                                   alt=t.runner_up_id if t.runner_up_prob > 0 else -1, alt_prob=t.runner_up_prob,
+                                   batch_rows=t.batch_rows))
             if t.last:
                 self._price = wire.price_from_proto(t) or self._price
         return toks

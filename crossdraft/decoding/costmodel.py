@@ -77,6 +77,10 @@ class CostModel:
         # verification then runs in a forward of its own few rows (measured 1.8 rows at 4 clients), and
         # pricing everyone drafting as one forward of all rows made blocks look 1.1-1.7x where they gave 0.6x
         self.sharing = 1.0
+        # and the same for the drafter's steps of those blocks (the rows of the drafter's forwards that computed
+        # them, DraftToken.batch_rows): b sessions' steps batched into one forward only while their Draft calls
+        # arrive together -- on shared CPU cores they measured 1.1 rows at 4 clients
+        self.dsharing = 1.0
         # pipelined rounds (crossdraft.decoding.pipeline): a block accepted whole has the next one drafted
         # during its verification -- the drafting is off the critical path, and the round's own token
         # is not taken (the ready block checks that position)
@@ -142,6 +146,17 @@ class CostModel:
             return p.ms(n, n) / p.ms(1, 1)
         return self.dfeed(n)
 
+    def dstep(self, n: float) -> float:
+        """What one drafter step of each of n sessions drafting together costs the drafter, in drafter steps:
+        their steps batched as far as the drafted blocks' steps were measured to be (``dsharing``: n / r
+        forwards of r rows), all in one forward of n rows until measured otherwise."""
+        r = self.drows(n)
+        return n / r * self.dcost(r)
+
+    def drows(self, n: float) -> float:
+        """The rows of the drafter's forwards while n sessions draft together (``dsharing`` of the load)."""
+        return max(1.0, min(n, self.dsharing * self.batch)) if n > 1 else n
+
     def dfeed(self, n: float) -> float:
         """Cost of a drafter forward over one row of n tokens (a catch-up feed), in drafter steps."""
         return interpolate_cost(self.d, n, 1.0) if self.d else max(1.0, n)
@@ -172,12 +187,18 @@ class CostModel:
             d = self.batch_decay
             self.batch = d * self.batch + (1 - d) * float(rows)
 
-    def observe_sharing(self, rows: int) -> None:
+    def observe_sharing(self, rows: int, drafter_rows=()) -> None:
         """Measured mode: the verification of a block this session drafted ran in a forward of ``rows``
-        rows while ``batch`` sessions shared the forwards (a session alone says nothing about it)."""
-        if self.measured and rows >= 1 and self.batch > 1.5:
-            d = self.batch_decay
+        rows, and its drafter steps in forwards of ``drafter_rows`` rows each (0: not reported), while
+        ``batch`` sessions shared the forwards (a session alone says nothing about either)."""
+        if not self.measured or self.batch <= 1.5:
+            return
+        d = self.batch_decay
+        if rows >= 1:
             self.sharing = d * self.sharing + (1 - d) * min(1.0, rows / self.batch)
+        drows = [r for r in drafter_rows if r >= 1]
+        if drows:
+            self.dsharing = d * self.dsharing + (1 - d) * min(1.0, sum(drows) / len(drows) / self.batch)
 
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float,
                      overlapped: bool = False, drop_s: float | None = None) -> None:
@@ -207,7 +228,7 @@ class CostModel:
         if steps > 0 and draft_s > 0:
             # a ratio of times: averaged in log space, each drafter step one observation (a probe's
             # block of 6 steps says more than one step does)
-            ratio = draft_s / (steps * self.c * self.dcost(b) * target_step_s)
+            ratio = draft_s / (steps * self.c * self.dstep(b) * target_step_s)
             w = d ** min(steps, 5)  # (at most as much as 5 steps: one slow moment must not decide alone)
             ratio = min(self.max_scale, max(1 / self.max_scale, ratio))
             self.scale_d = math.exp(w * math.log(self.scale_d) + (1 - w) * math.log(ratio))
@@ -240,7 +261,7 @@ class CostModel:
             return 1.0
         sv = self.scale_v
         v = sv * self.vround(b, n, k + 1)
-        dr = k * c * self.dcost(n)
+        dr = k * c * self.dstep(n)
         tn = v + (dr if self.colocated else 0.0)
         return ((b - n) / tn + n * e / (v + dr)) * sv * self.fwd(b, 1) / b
 
@@ -312,8 +333,13 @@ class CostModel:
         sv = self.scale_v
         r = max(1.0, min(b, self.sharing * b)) if b > 1 else b
         parts = b / r
-        return sv * self.fwd(b, 1) / (parts * sv * self.fwd(r, k + 1)
-                                      + (parts if self.colocated else 1.0) * k * c * self.dcost(r))
+        # the drafter's steps of the b blocks, batched as measured (dstep); on its own hardware a round waits
+        # for its block's steps only, but the rounds cannot come faster than the drafter drafts all b blocks
+        dr = k * c * self.dstep(b)
+        verify = parts * sv * self.fwd(r, k + 1)
+        if self.colocated:
+            return sv * self.fwd(b, 1) / (verify + dr)
+        return sv * self.fwd(b, 1) / max(verify + k * c * self.dcost(self.drows(b)), dr)
 
     def _pipelined(self, k: int, a: float, e: float, b: float, c: float) -> tuple[float, float]:
         """(tokens, tokens per target step per token) of a pipelined round of k at acceptance a: with
@@ -341,7 +367,7 @@ class CostModel:
         # session's target step (b = n: everyone alike)
         share = b / n
         # per drafter step: a step that yields 1/r target tokens (text mode) must be r times surer
-        c_eff = (self.c * self.scale_d * self.dcost(n) * self.steps_per_token() * (share if self.colocated else 1.0)
+        c_eff = (self.c * self.scale_d * self.dstep(n) * self.steps_per_token() * (share if self.colocated else 1.0)
                  / (self.scale_v * self.fwd(b, 1)))
         # and a longer block costs a longer verification: the mean extra cost of one more token over
         # the block sizes in reach (flat with native bf16 or on a GPU; ~0.3 of a step in fp32 on a CPU)
@@ -357,7 +383,7 @@ class CostModel:
         share = b / nd  # (as in stop_threshold)
         sv, vb = self.scale_v, self.fwd(b, 1)
         steps = self.dfeed(max(1, feed)) + self.steps_per_token() * n - 1.0
-        drafter = self.c * self.scale_d * self.dcost(nd) * steps * (share if self.colocated else 1.0)
+        drafter = self.c * self.scale_d * self.dstep(nd) * steps * (share if self.colocated else 1.0)
         return (drafter + sv * share * max(0.0, self.vround(b, nd, n + 1) - vb)) / (sv * vb)
 
 

@@ -495,7 +495,7 @@ class Decoder(Pipelining):
                      "map": drafted.map_s if not was_ahead else 0.0, "verify_rpc": verify_wall - res.forward_s}
             parts["loop"] = overhead - sum(parts.values())  # policy, emission, the drafter's edit, bookkeeping
             self.log.write(round_record(req, round_index, kk, kd, n, res, draft_wall, verify_wall, skip_reason,
-                                        predicted, req.step_s, overhead, d_queue, parts, self._running))
+                                        predicted, req.step_s, overhead, d_queue, parts, self._running, drafted.rows))
         return RoundEvent(round_index, kk, kd, n, out, text, drafted.seconds, res.forward_s, overhead, done, req.t_ids,
                           req.d.ids if req.d else None, batch_size=getattr(res, "batch_size", 1),
                           queue_wait_s=v_queue, draft_queue_s=d_queue, logprobs=lps, drafted_ahead=was_ahead,
@@ -547,8 +547,8 @@ class Decoder(Pipelining):
         pol.observe(kd, res.num_accepted)
         if req.text_mode and drafted.tokens:
             pol.observe_steps(len(drafted.tokens), kd)
-        if kd:  # with how many rows a drafted block was verified, against the load (CostModel.sharing)
-            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0)
+        if kd:  # with how many rows a drafted block was verified and drafted, against the load (CostModel.sharing)
+            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0, [t.batch_rows for t in drafted.tokens])
         # how many sessions share the verifier's forwards (its recent senders; else this batch's
         # rows), and at least the requests in this loop now: each sends the verifier rows
         # whenever it is not waiting on the drafter, but a session that waits long on a busy

@@ -43,6 +43,7 @@ class DraftToken:
     last: bool = False  # the block ends with this proposal
     heals: bool = False  # (first token only) it replaces the session's last id (crossdraft.vocab.healing)
     queue_s: float = 0.0  # of forward_s, the time its forward waited for its batch (other sessions' steps)
+    batch_rows: int = 0  # rows of the batched forward that computed it (0: unbatched or not reported)
     # (asked for, greedy) its probability under the drafter, and the drafter's second choice there (-1: none)
     prob: float = 0.0
     alt: int = -1

@@ -201,12 +201,12 @@ class DraftPolicy:
         self.unfed = tokens
 
     # ---- what one request carries from the earlier ones of its decoder -----------------------------
-    def scales(self) -> tuple[float, float, float, float, float]:
+    def scales(self) -> tuple[float, float, float, float, float, float]:
         """The online corrections of the cost tables: (drafter, verifier) measured/predicted times, the
-        pipelined rounds' (the verification beside the drafter, a dropped block's wait), and the share of
-        the load that drafted verifications were measured to share forwards with."""
+        pipelined rounds' (the verification beside the drafter, a dropped block's wait), and the shares of
+        the load that drafted verifications and their drafter steps were measured to share forwards with."""
         c = self.costs
-        return c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing
+        return c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing, c.dsharing
 
     def probe_record(self) -> tuple[float, float, float, float]:
         """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted."""
@@ -218,7 +218,7 @@ class DraftPolicy:
         probes' record (relaxed toward the prior, :meth:`relax_record`)."""
         if scales is not None:
             c = self.costs
-            c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing = (*scales, 1.0, 0.0, 1.0)[:5]
+            c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing, c.dsharing = (*scales, 1.0, 0.0, 1.0, 1.0)[:6]
         if record is not None:
             self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record
             self.relax_record()
@@ -236,6 +236,7 @@ class DraftPolicy:
                     peer_alpha=None if c.peer_alpha is None else round(c.peer_alpha, 3),
                     alpha=round(self.acceptance.alpha(), 3), scale_d=round(c.scale_d, 3),
                     scale_v=round(c.scale_v, 3), scale_o=round(c.scale_o, 3), sharing=round(c.sharing, 3),
+                    dsharing=round(c.dsharing, 3),
                     steps_per_token=round(c.steps_per_token(), 3), probing=self.probing, interval=self.interval)
 
     # ---- the rate and the one search over block sizes ----------------------------------------------
@@ -408,7 +409,7 @@ class DraftPolicy:
             return 1.0, c.scale_v * c.fwd(b, 1)
         e = expected_tokens(self.acceptance.alpha(), drafted)
         v = c.scale_v * c.vround(b, n, drafted + 1)
-        dr = steps * c.c * c.scale_d * c.dcost(n)
+        dr = steps * c.c * c.scale_d * c.dstep(n)
         return e, v + dr
 
     # ---- the choices --------------------------------------------------------------------------------

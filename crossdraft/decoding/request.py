@@ -105,3 +105,9 @@ class Drafted:
     wall: float = -1.0  # drafted ahead: the drafter call's wall time (else the round measures it)
     queue_s: float = 0.0  # of seconds, the drafter's steps' waits for their batches (other sessions' steps)
     map_s: float = 0.0  # the gateway's time expressing the block in target ids (and q over target ids)
+
+    @property
+    def rows(self) -> float:
+        """The mean rows of the drafter's batched forwards that computed the block (0: none reported)."""
+        rows = [t.batch_rows for t in self.tokens if getattr(t, "batch_rows", 0)]
+        return sum(rows) / len(rows) if rows else 0.0

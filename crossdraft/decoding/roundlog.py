@@ -67,7 +67,7 @@ class RoundLog:
 
 def round_record(req, round_index: int, kk: int, kd: int, n: int, res, draft_s: float, verify_s: float,
                  skip_reason: str, predicted, step_s: float, overhead_s: float, draft_queue_s: float,
-                 parts: dict | None, running: int) -> dict:
+                 parts: dict | None, running: int, draft_rows: float = 0.0) -> dict:
     """One round's line (crossdraft.decoding.decode.Decoder._round): what the round did and took, and the
     policy's view after it."""
     rec = {"t": round(time.time(), 4), "sid": req.sid, "round": round_index, "mode": req.mode, "requested": kk,
@@ -80,7 +80,7 @@ def round_record(req, round_index: int, kk: int, kd: int, n: int, res, draft_s: 
            # the verifier's time, and the rest of the loop
            "overhead_parts_ms": {k: round(v * 1e3, 3) for k, v in (parts or {}).items()},
            "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
-           "running": running}
+           "running": running, "draft_batch_rows": round(draft_rows, 2)}
     if skip_reason:
         rec["skip_reason"] = skip_reason
     if predicted:

@@ -457,11 +457,11 @@ class DrafterSession(_ModelSession):
     262,144-token Gemma drafter under a Qwen target that skips 63% of the head's matmul.
     """
 
-    def _queued(self) -> float:
-        """Seconds the latest forward waited for its batch to start (a batched server's KV pool records
-        it; 0.0 unbatched): part of a DraftToken's forward_s, reported apart."""
+    def _batch(self) -> dict:
+        """How the latest forward was batched (a batched server's KV pool records it): the seconds it waited
+        for its batch to start (part of a DraftToken's forward_s, reported apart) and the batch's rows."""
         last = getattr(self.kv, "last", None)
-        return last.queue_wait_s if last is not None else 0.0
+        return {"queue_s": last.queue_wait_s, "batch_rows": last.batch_rows} if last is not None else {}
 
     @torch.inference_mode()
     def _compact_logits(self, allowed: AllowedSet, props: list[int], keep: int = 1, more: bool = False) -> torch.Tensor:
@@ -543,7 +543,7 @@ class DrafterSession(_ModelSession):
                     cum *= conf
                     last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
                     yield DraftToken(tok, None, None, time.perf_counter() - t0, last, heals=True,
-                                     queue_s=self._queued())
+                                     **self._batch())
                     if last:
                         break
                     continue
@@ -591,7 +591,7 @@ class DrafterSession(_ModelSession):
                 need = heal.rest(need, tok)
             # (a block still spelling a healed token's bytes has no new text yet: it goes on)
             last = i == k - 1 or (not need and (conf < stop_below or cum < stop_cumulative))
-            out = DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last, queue_s=self._queued())
+            out = DraftToken(tok, q_ids, q_probs, time.perf_counter() - t0, last, **self._batch())
             if alt is not None:
                 out.prob, out.alt, out.alt_prob = alt[0], int(allowed.ids[alt[1]]), alt[2]
                 alt = None

@@ -63,6 +63,7 @@ class RealStack:
     http: str
     grpc: str
     metrics: str
+    rounds: str  # the gateway's round log (CROSSDRAFT_ROUND_LOG): one JSON line per round
 
 
 def start_stack(target: str, drafter: str, log_dir, drafter_args: list[str], drafter_timeout_s: float = 60):
@@ -79,10 +80,12 @@ def start_stack(target: str, drafter: str, log_dir, drafter_args: list[str], dra
         procs.append(d)
         wait_grpc_healthy(vaddr, v, timeout=300)
         wait_grpc_healthy(daddr, d, timeout=300)
-        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, log_dir, drafter_timeout_s=drafter_timeout_s, env=STATIC)
+        rounds = str(log_dir / "rounds.jsonl")
+        g, http, grpc_addr = gateway(vaddr, daddr, redis.url, log_dir, drafter_timeout_s=drafter_timeout_s,
+                                     env={**STATIC, "CROSSDRAFT_ROUND_LOG": rounds})
         procs.append(g)
         wait_http_ready(http, g, timeout=300)
-        yield RealStack(http, grpc_addr, f"http://127.0.0.1:{mport}/metrics")
+        yield RealStack(http, grpc_addr, f"http://127.0.0.1:{mport}/metrics", rounds)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -4,11 +4,14 @@ smollm2-135m drafts (different vocabularies) for gemma3-270m (sliding-window lay
 and for qwen2.5-coder-0.5b, each model in its own process with batching on (the default), fp32,
 behind a real gateway and Redis. The same 8 prompts run first one at a time, then all at once
 through gRPC clients in 8 threads: greedy token ids must be identical, and the verifier must have
-run forwards holding more than one session (its Prometheus histogram of rows per forward).
+run forwards holding more than one session (its Prometheus histogram of rows per forward), and every
+drafted round must say with how many rows the drafter's steps ran (DraftToken.batch_rows, the gateway's
+round log).
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -69,3 +72,8 @@ def test_eight_concurrent_clients_get_the_tokens_they_get_alone(stack):
     assert sum(r.stats["drafted"] for r in together) > 0
     f1, r1 = _rows_histogram(metrics)
     assert r1 - r0 > f1 - f0  # some forwards verified several sessions at once
+    # the drafter reports each step's batch over the wire: at least its own row, at most the 8 sessions
+    with open(stack.rounds) as f:  # (whole lines: the gateway's writer may be mid-line)
+        lines = [json.loads(line) for line in f.read().rpartition("\n")[0].splitlines()]
+    rows = [r["draft_batch_rows"] for r in lines if r.get("drafted", 0) > 0]
+    assert rows and all(1 <= x <= len(PROMPTS) for x in rows)

@@ -163,3 +163,46 @@ def test_drafted_verifications_measured_out_of_step_price_everyone_drafting_at_t
         p.costs.observe_sharing(2)
     nxt.resume(p.scales())
     assert nxt.costs.sharing == p.costs.sharing < 0.3 and not nxt.pays()
+
+
+def test_drafter_steps_measured_unbatched_price_everyone_drafting_at_one_forward_each():
+    """A GPU-like verifier and drafter at 8 sessions, all drafting at 80%: priced as every session's
+    drafter step in one forward, drafting pays. The drafted blocks' steps were measured to run in
+    forwards of 1 row (the sessions' Draft calls did not meet): each step of the 8 sessions then costs
+    the drafter 8 forwards -- on the verifier's hardware a stall of them all -- and drafting stops
+    paying. Steps that report no rows (an older drafter) say nothing; steps of 8 rows restore it; the
+    next request starts from what was measured."""
+    p = _policy(8, 0.8, FLAT, colocated=True)
+    assert p.pays() and p.costs.dsharing == 1.0
+    p.costs.observe_sharing(8, [0, 0, 0])
+    assert p.costs.dsharing == 1.0 and p.costs.sharing == 1.0
+    for _ in range(10):
+        p.costs.observe_sharing(8, [1, 1, 1])
+    assert p.costs.dsharing == pytest.approx(1 / 8, abs=0.03) and p.costs.sharing == 1.0
+    assert not p.pays()
+    nxt = _policy(8, 0.8, FLAT, colocated=True)
+    nxt.resume(p.scales())
+    assert nxt.costs.dsharing == p.costs.dsharing and not nxt.pays()
+    for _ in range(10):
+        p.costs.observe_sharing(8, [8, 8])
+    assert p.costs.dsharing == pytest.approx(1.0, abs=0.03) and p.pays()
+    alone = _policy(1, 0.8, FLAT, colocated=True)
+    alone.costs.observe_sharing(1, [1])
+    assert alone.costs.dsharing == 1.0 and alone.pays()
+
+
+def test_a_drafter_on_its_own_hardware_measured_unbatched_is_the_rounds_bottleneck():
+    """The same drafter on its own hardware: the rounds cannot come faster than it drafts all 8 sessions'
+    blocks one row at a time (8 x 5 ms a step against a 30 ms verification), so long blocks stop paying and
+    the best block shrinks; short ones still pay (the drafter keeps up with the verifier)."""
+    p = _policy(8, 0.8, FLAT, colocated=False)
+    k0, r0 = _best_k(p), max(p.rate(k) for k in range(1, 11))
+    for _ in range(10):
+        p.costs.observe_sharing(8, [1])
+    k1, r1 = _best_k(p), max(p.rate(k) for k in range(1, 11))
+    assert 1 <= k1 < k0 and r1 < r0
+    # the drafter busy for the 8 blocks bounds the round: its time, not the verification's, prices them
+    c = p.costs
+    for k in range(1, 11):
+        drafter = c.c * c.scale_d * c.dstep(8) * k
+        assert p.rate(k) <= expected_tokens(0.8, k) * c.fwd(8, 1) / drafter + 1e-9
