@@ -262,8 +262,8 @@ class Decoder(Pipelining):
             self.log.write({"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k,
                             "feed": feed, "sync_s": round(time.perf_counter() - t0, 4),
                             "running_before_sync": running0, "running": self._running,
-                            **{x: view[x] for x in ("load", "others_drafting", "alpha", "best_rate", "odds",
-                                                    "probe_cost")}})
+                            **{x: view[x] for x in ("load", "others_drafting", "alpha", "best_rate", "need",
+                                                    "odds", "probe_cost")}})
 
     def _choose_mode(self, req: Request) -> None:
         """A speculative request: its drafting mode (text for greedy decoding across vocabularies,
