@@ -326,6 +326,8 @@ class Job:
         span.set_attribute("crossdraft.round.queue_wait_ms", ev.queue_wait_s * 1e3)
         span.set_attribute("crossdraft.round.draft_queue_wait_ms", ev.draft_queue_s * 1e3)
         span.set_attribute("crossdraft.round.drafted_ahead", ev.drafted_ahead)
+        if ev.draft_batch_rows:  # how far the drafter's steps of this block were batched with other sessions'
+            span.set_attribute("crossdraft.round.draft_batch_rows", ev.draft_batch_rows)
         if ev.drafter:
             span.set_attribute("crossdraft.round.drafter", ev.drafter)
         if ev.ahead:

@@ -503,7 +503,7 @@ class Decoder(Pipelining):
                           skip_reason=skip_reason, speculative=req.spec, wall_s=t_end - t_round + gap,
                           predicted_tokens=predicted[0] if predicted else 0.0,
                           predicted_s=predicted[1] * req.step_s if predicted else 0.0,
-                          drafter=self.name if req.spec else "")
+                          drafter=self.name if req.spec else "", draft_batch_rows=drafted.rows)
 
     def _draft_step(self, req: Request, kk: int, remaining: int, round_index: int) -> Drafted:
         """Draft up to kk tokens and express them in target ids (nothing when kk == 0)."""

@@ -134,6 +134,7 @@ class RoundEvent:
     batch_size: int = 1  # sessions in the verifier's batched forward that verified this block
     queue_wait_s: float = 0.0  # how long the block waited in the verifier for its batch
     draft_queue_s: float = 0.0  # how long this round's drafter steps waited for their batches (on its path)
+    draft_batch_rows: float = 0.0  # the mean rows of the drafter's forwards behind the block (0: not reported)
     # per emitted token when asked for: (log-probability, top ids, their log-probabilities)
     logprobs: list | None = field(repr=False, default=None)
     # pipelined rounds: this round's block was drafted during the previous verification; and what became
