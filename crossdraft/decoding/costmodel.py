@@ -253,17 +253,19 @@ class CostModel:
             return pad
         return min(pad, self.fwd(n, m) + self.fwd(b - n, 1))
 
-    def agg(self, k: int, e: float, n: float, b: float, c: float) -> float:
-        """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (each
-        yielding e tokens) and the rest do not, relative to all b target-only. Non-drafters' rounds
-        wait for the drafters' steps only where the drafter shares the verifier's hardware."""
+    def agg(self, k: int, e: float, n: float, b: float, c: float, ep: float | None = None) -> float:
+        """Aggregate tokens per unit of the machine's time when n of b sessions draft blocks of k (this
+        one yielding e tokens, the other drafters ep each: e where not given) and the rest do not,
+        relative to all b target-only. Non-drafters' rounds wait for the drafters' steps only where the
+        drafter shares the verifier's hardware."""
         if n <= 0:
             return 1.0
         sv = self.scale_v
         v = sv * self.vround(b, n, k + 1)
         dr = k * c * self.dstep(n)
         tn = v + (dr if self.colocated else 0.0)
-        return ((b - n) / tn + n * e / (v + dr)) * sv * self.fwd(b, 1) / b
+        drafted = e + (n - 1.0) * (e if ep is None else ep)
+        return ((b - n) / tn + drafted / (v + dr)) * sv * self.fwd(b, 1) / b
 
     def rate(self, k: int, a: float) -> float:
         """Expected tokens per target decoding step with a block of k at acceptance a (k = 0:
@@ -271,8 +273,9 @@ class CostModel:
 
         One session alone: E(k) tokens for v(k + 1) + k drafter steps, against one token for v(1).
         Many (b sessions share the forwards, measured costs): the better of two views. (a) This
-        session's share of what the n sessions drafting now (it included) add to the machine's
-        output: 1 + b x (the aggregate with them drafting - all target-only) / n, the aggregate from
+        session's share of what the n sessions drafting now (it included; the others at their mean
+        acceptance estimate, ``peer_alpha``) add to the machine's output: 1 + b x (the aggregate with
+        them drafting - all target-only) / n, the aggregate from
         :meth:`agg` -- a lone drafter among 15 sessions that do not costs a forward of its own (or
         pads everyone) and, on shared hardware, drafter steps that stall them all, which a 1/b share
         of a batch-wide cost hides. It is an average, not the margin of one more drafter: once a few
@@ -282,19 +285,21 @@ class CostModel:
         tokens for v(b(k + 1)) + k drafter steps of b rows -- where that pays (flat GPU tables) the
         sessions move there together even from a state where none drafts (there a lone drafter,
         pricing (a) alone, would never start). Without the others' counts only (b) is priced, with
-        this session's estimate for all."""
+        this session's estimate for all. Both are averages over the sessions drafting: a session the
+        drafter follows well beside others it does not (a high estimate among low ones) would gain for
+        itself while the group, stalling the rest, loses."""
         if k == 0:
             return 1.0
         b, n = self.load()
         c = self.c * self.scale_d * self.steps_per_token()
         e, per, _ = self._round(k, a, b, c)
-        if n >= b:
-            return e * per
-        alone = 1.0 + b * (self.agg(k, e, n, b, c) - 1.0) / n
-        # everyone drafting counts only where the others would join: drafting together must pay at
-        # their acceptance too (else they stay out and this session would draft alone after all)
         pa = a if self.peer_alpha is None else clamp_alpha(self.peer_alpha)
         ep = expected_tokens(pa, k)
+        if n >= b:
+            return (e + (b - 1.0) * ep) / b * per
+        alone = 1.0 + b * (self.agg(k, e, n, b, c, ep) - 1.0) / n
+        # everyone drafting counts only where the others would join: drafting together must pay at
+        # their acceptance too (else they stay out and this session would draft alone after all)
         if ep * per < self.need():
             return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
         return max(alone, (e + (b - 1.0) * ep) / b * per)

@@ -206,3 +206,22 @@ def test_a_drafter_on_its_own_hardware_measured_unbatched_is_the_rounds_bottlene
     for k in range(1, 11):
         drafter = c.c * c.scale_d * c.dstep(8) * k
         assert p.rate(k) <= expected_tokens(0.8, k) * c.fwd(8, 1) / drafter + 1e-9
+
+
+def test_a_session_the_drafter_follows_well_does_not_draft_beside_others_it_follows_badly():
+    """4 sessions on shared cores priced as a CPU measures its batches (every token costs), 2 others
+    drafting: where they draft at this session's 85%, the group of 3 gains and it drafts with them; where
+    they draft at 30%, the group's blocks stall the fourth session for little and lose as a whole, so
+    this session -- though its own blocks would pay for itself -- does not join them (priced with
+    everyone's acceptance at its own, it did)."""
+    cpu = Price(base_ms=307.0, row_ms=11.0, token_ms=15.7, forwards=100)
+    drafter = Price(base_ms=78.0, row_ms=0.0, token_ms=6.8, forwards=100)
+
+    def session(peer):
+        p = _policy(4, 0.85, cpu, others=2.0, peer=peer, colocated=True)
+        p.costs.see_price(cpu, drafter)
+        p.costs.c = 0.25  # (a drafter step a quarter of a target step: a 0.5B drafter for a 1.5B target)
+        return p
+
+    assert session(0.85).pays()
+    assert not session(0.3).pays()
