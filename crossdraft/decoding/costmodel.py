@@ -187,18 +187,17 @@ class CostModel:
             d = self.batch_decay
             self.batch = d * self.batch + (1 - d) * float(rows)
 
-    def observe_sharing(self, rows: int, drafter_rows=()) -> None:
+    def observe_sharing(self, rows: int, drafter_rows: float = 0.0) -> None:
         """Measured mode: the verification of a block this session drafted ran in a forward of ``rows``
-        rows, and its drafter steps in forwards of ``drafter_rows`` rows each (0: not reported), while
-        ``batch`` sessions shared the forwards (a session alone says nothing about either)."""
+        rows, and its drafter steps in forwards of ``drafter_rows`` rows on average (0: not reported),
+        while ``batch`` sessions shared the forwards (a session alone says nothing about either)."""
         if not self.measured or self.batch <= 1.5:
             return
         d = self.batch_decay
         if rows >= 1:
             self.sharing = d * self.sharing + (1 - d) * min(1.0, rows / self.batch)
-        drows = [r for r in drafter_rows if r >= 1]
-        if drows:
-            self.dsharing = d * self.dsharing + (1 - d) * min(1.0, sum(drows) / len(drows) / self.batch)
+        if drafter_rows >= 1:
+            self.dsharing = d * self.dsharing + (1 - d) * min(1.0, drafter_rows / self.batch)
 
     def observe_time(self, steps: int, draft_s: float, m: int, verify_s: float, target_step_s: float,
                      overlapped: bool = False, drop_s: float | None = None) -> None:
@@ -295,14 +294,15 @@ class CostModel:
         e, per, _ = self._round(k, a, b, c)
         pa = a if self.peer_alpha is None else clamp_alpha(self.peer_alpha)
         ep = expected_tokens(pa, k)
+        together = (e + (b - 1.0) * ep) / b * per
         if n >= b:
-            return (e + (b - 1.0) * ep) / b * per
+            return together
         alone = 1.0 + b * (self.agg(k, e, n, b, c, ep) - 1.0) / n
         # everyone drafting counts only where the others would join: drafting together must pay at
         # their acceptance too (else they stay out and this session would draft alone after all)
         if ep * per < self.need():
             return max(1e-3, alone)  # (view (a) can fall below zero; a ratio of rates is not)
-        return max(alone, (e + (b - 1.0) * ep) / b * per)
+        return max(alone, together)
 
     def pipelines(self) -> bool:
         """Whether this session's rounds are pipelined now: where pipelining is on and no other session

@@ -548,7 +548,7 @@ class Decoder(Pipelining):
         if req.text_mode and drafted.tokens:
             pol.observe_steps(len(drafted.tokens), kd)
         if kd:  # with how many rows a drafted block was verified and drafted, against the load (CostModel.sharing)
-            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0, [t.batch_rows for t in drafted.tokens])
+            pol.costs.observe_sharing(getattr(res, "batch_size", 0) or 0, drafted.rows)
         # how many sessions share the verifier's forwards (its recent senders; else this batch's
         # rows), and at least the requests in this loop now: each sends the verifier rows
         # whenever it is not waiting on the drafter, but a session that waits long on a busy

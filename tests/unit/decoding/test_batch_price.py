@@ -174,20 +174,20 @@ def test_drafter_steps_measured_unbatched_price_everyone_drafting_at_one_forward
     next request starts from what was measured."""
     p = _policy(8, 0.8, FLAT, colocated=True)
     assert p.pays() and p.costs.dsharing == 1.0
-    p.costs.observe_sharing(8, [0, 0, 0])
+    p.costs.observe_sharing(8, 0)
     assert p.costs.dsharing == 1.0 and p.costs.sharing == 1.0
     for _ in range(10):
-        p.costs.observe_sharing(8, [1, 1, 1])
+        p.costs.observe_sharing(8, 1)
     assert p.costs.dsharing == pytest.approx(1 / 8, abs=0.03) and p.costs.sharing == 1.0
     assert not p.pays()
     nxt = _policy(8, 0.8, FLAT, colocated=True)
     nxt.resume(p.scales())
     assert nxt.costs.dsharing == p.costs.dsharing and not nxt.pays()
     for _ in range(10):
-        p.costs.observe_sharing(8, [8, 8])
+        p.costs.observe_sharing(8, 8)
     assert p.costs.dsharing == pytest.approx(1.0, abs=0.03) and p.pays()
     alone = _policy(1, 0.8, FLAT, colocated=True)
-    alone.costs.observe_sharing(1, [1])
+    alone.costs.observe_sharing(1, 1)
     assert alone.costs.dsharing == 1.0 and alone.pays()
 
 
@@ -198,7 +198,7 @@ def test_a_drafter_on_its_own_hardware_measured_unbatched_is_the_rounds_bottlene
     p = _policy(8, 0.8, FLAT, colocated=False)
     k0, r0 = _best_k(p), max(p.rate(k) for k in range(1, 11))
     for _ in range(10):
-        p.costs.observe_sharing(8, [1])
+        p.costs.observe_sharing(8, 1)
     k1, r1 = _best_k(p), max(p.rate(k) for k in range(1, 11))
     assert 1 <= k1 < k0 and r1 < r0
     # the drafter busy for the 8 blocks bounds the round: its time, not the verification's, prices them
