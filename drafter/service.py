@@ -72,7 +72,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return w.draft_iter(request.session_id, _edit(request), _expect(request), int(request.num_draft_tokens),
                             int(request.round_index), params, int(request.seed), float(request.stop_below),
                             request.allowed_key, float(request.stop_cumulative_below), bool(request.heal),
-                            position=int(request.position) or -1, runner_up=bool(request.runner_up))
+                            position=int(request.position) or -1, runner_up=bool(request.runner_up),
+                            gang=int(request.gang))
 
     def Draft(self, request, context):
         w = self.state.get()

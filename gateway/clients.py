@@ -155,10 +155,11 @@ class RemoteVerifier(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def verify(self, sid, expect, drafts, q_rows, round_index, params, seed, top_logprobs: int = -1,
-               drop_last: bool = False) -> VerifyReply:
+               drop_last: bool = False, gang: int = 0) -> VerifyReply:
         """Verify the drafts on the verifier (one forward, lossless acceptance); see VerifierPort.verify."""
         req = verifier_pb2.VerifyRequest(session_id=sid, draft_token_ids=drafts, round_index=round_index,
-                                         params=wire.params_to_proto(params), seed=seed, drop_last_token=drop_last)
+                                         params=wire.params_to_proto(params), seed=seed, drop_last_token=drop_last,
+                                         gang=gang)
         if top_logprobs >= 0:
             req.top_logprobs = top_logprobs
         if expect is not None:
@@ -229,14 +230,14 @@ class RemoteDrafter(_Remote):
         return r.shared_tokens, wire.expect_from_proto(r.context)
 
     def draft(self, sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key, timeout_s=None,
-              stop_cumulative=0.0, heal=False, position=-1, cancel=None, runner_up=False):
+              stop_cumulative=0.0, heal=False, position=-1, cancel=None, runner_up=False, gang=0):
         """Apply the edit, then collect the up to k draft tokens the drafter streams back. cancel:
         ``is_set()`` is asked once after each token received (DrafterPort.draft); True cancels the stream
         there (the drafter stops that block: DrafterWorker.draft_iter)."""
         req = drafter_pb2.DraftRequest(session_id=sid, num_draft_tokens=k, round_index=round_index,
                                        params=wire.params_to_proto(params), seed=seed, stop_below=stop_below,
                                        allowed_key=allowed_key, stop_cumulative_below=stop_cumulative, heal=heal,
-                                       position=max(0, position), runner_up=runner_up)
+                                       position=max(0, position), runner_up=runner_up, gang=gang)
         if edit is not None:
             req.edit.keep = edit[0]
             req.edit.append.extend(edit[1])

@@ -44,7 +44,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         q_rows = [wire.sparse_from_proto(m, f"q[{i}]") for i, m in enumerate(request.q)] or None
         top = int(request.top_logprobs) if request.HasField("top_logprobs") else -1
         r = w.verify(request.session_id, expect, list(request.draft_token_ids), q_rows, int(request.round_index),
-                     params, int(request.seed), top, drop_last=bool(request.drop_last_token))
+                     params, int(request.seed), top, drop_last=bool(request.drop_last_token), gang=int(request.gang))
         VERIFY_CALLS.inc()
         DRAFTS.inc(len(request.draft_token_ids))
         ACCEPTED.inc(r.num_accepted)

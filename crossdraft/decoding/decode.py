@@ -24,6 +24,7 @@ import numpy as np
 
 from crossdraft.decoding.costmodel import cost_ratio
 from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids, encode_drafter_bytes
+from crossdraft.decoding.gang import Gang
 from crossdraft.decoding.gate import LoadGate
 from crossdraft.decoding.messages import Expect
 from crossdraft.decoding.output import Output, check_stop
@@ -56,9 +57,8 @@ class Decoder(Pipelining):
         self.drafter_timeout_s = drafter_timeout_s
         self._mask_sent: set[str] = set()
         self._ratio: dict[tuple, tuple] = {}
-        # sessions sharing the verifier's forwards, as the latest round saw it: a new request's
-        # policy starts from it instead of from "alone" (its first rounds would price drafting
-        # for an idle server)
+        # sessions sharing the verifier's forwards, as the latest round saw it: a new request's policy starts
+        # from it instead of from "alone" (its first rounds would price drafting for an idle server)
         self._load = 1.0
         # requests in this Decoder's round loop now (id -> request): their number is a lower bound on
         # the verifier's load that a burst of new requests sees before any of their rounds has
@@ -72,20 +72,20 @@ class Decoder(Pipelining):
         self.pipeline = bool(pipeline)
         self.branch = bool(branch)  # and (greedy TLI) a branch beside the block ahead (pipeline.Branch)
         self._lock = threading.Lock()
-        # measured/predicted time ratios (drafter, verifier) per drafting mode, as the latest
-        # rounds corrected them: a new request starts from there instead of from the cost tables
-        self._scales: dict[str, tuple[float, float]] = {}
+        # the cost scales per drafting mode as the latest rounds corrected them (a new request starts there)
+        self._scales: dict[str, tuple] = {}  # (DraftPolicy.scales)
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.probe_record):
         # a pair's drafter gets text right more or less often
         self._probes: dict[str, tuple[float, float, float, float]] = {}
-        # the verifier's and the drafter's latest published prices of a batched forward
-        # (crossdraft.runtime.price): a new request prices rows with them before its own rounds report any
+        # the verifier's and the drafter's latest published prices of a batched forward (crossdraft.runtime.price):
+        # a new request prices rows with them before its own rounds report any
         self._price = self._dprice = None
         # round_log (a path): one JSON line per round appended (the gateway's --round-log)
         self.log = RoundLog(round_log)
         # whether drafting pays at the load now, measured (crossdraft.decoding.gate; experimental, off unless
         # given one that is on); a gateway shares one among the Decoders over the same verifier
         self.gate = gate if gate is not None else LoadGate(enabled=False)
+        self.gang = Gang()  # the blocks drafted now: a ready one waits for them (crossdraft.decoding.gang)
 
     # ---- port calls with re-sync --------------------------------------------------------------
     def _expect(self, ids) -> Expect | None:
@@ -136,6 +136,7 @@ class Decoder(Pipelining):
         top = req.out.top_logprobs
         kw = {"top_logprobs": top} if top >= 0 else {}  # ports without it still work
         args = (drafted.target_ids, drafted.q_rows, round_index, req.params, req.seed)
+        kw |= {"gang": req.gang_n} if req.gang_n > 1 else {}  # (blocks sent with this one: crossdraft.decoding.gang)
         if req.drop_bonus:  # (pipelined) the verifier drops the previous round's own token first
             req.drop_bonus = False
             kw["drop_last"] = True
@@ -153,7 +154,7 @@ class Decoder(Pipelining):
         """Apply the drafter's pending edit and draft up to k tokens (raises Unavailable)."""
         d, params, key = req.d, req.params, self.pair.keys[req.mode]
         kw = dict(k=k, round_index=round_index, params=params, seed=req.seed, stop_below=req.draft.stop_below,
-                  allowed_key=key, timeout_s=self.drafter_timeout_s)
+                  allowed_key=key, timeout_s=self.drafter_timeout_s, **({"gang": req.gang_n} if req.gang_n > 1 else {}))
         if stop_cumulative > 0:  # ports without it still work
             kw["stop_cumulative"] = stop_cumulative
         if heal:
@@ -204,10 +205,8 @@ class Decoder(Pipelining):
         if not target_ids:
             raise InvalidArgument("prompt", "must not be empty")
         if self.max_context and len(target_ids) + max_new_tokens > self.max_context:
-            raise InvalidArgument(
-                "max_new_tokens",
-                f"prompt ({len(target_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                f"exceeds the context ({self.max_context})")
+            raise InvalidArgument("max_new_tokens", f"prompt ({len(target_ids)} tokens) + max_new_tokens "
+                                                    f"({max_new_tokens}) exceeds the context ({self.max_context})")
         spec = use_drafter and self.drafter is not None and drafter_ids is not None
         if spec and draft.mode == "text" and not params.greedy:
             raise InvalidArgument("mode", "text drafting is lossless for greedy decoding only (temperature 0)")
@@ -423,12 +422,16 @@ class Decoder(Pipelining):
         if was_ahead:
             kk, draft_on_path = len(drafted.target_ids), 0.0
         else:
-            drafted = self._draft_step(req, kk, remaining, round_index)
+            with self.gang.drafting(req.sid) if kk > 0 else nullcontext():
+                drafted = self._draft_step(req, kk, remaining, round_index)
             draft_on_path = drafted.seconds
         draft_wall = time.perf_counter() - t_round if drafted.wall < 0 else drafted.wall
         # (pipelined) the next block, drafted while this one is verified
         req.ahead = self._draft_ahead(req, drafted, remaining, round_index) if self.pipeline else None
-        # 2. verify them in one target forward: the accepted drafts and the target's own next token
+        # 2. verify them in one target forward: the accepted drafts and the target's own next token -- with the
+        # blocks the other sessions are drafting now, once they are ready (waiting at most twice this block's drafting)
+        req.gang_s, req.gang_n = (self.gang.ready(req.sid, min(2.0, max(0.05, 2 * draft_wall)))
+                                  if kk and not was_ahead else (0.0, 1))
         # (pipelined) a round that drafts nothing before a probe: the drafter catches up meanwhile
         catch = self._catch_up(req, kk)
         t_verify = time.perf_counter()
@@ -484,7 +487,7 @@ class Decoder(Pipelining):
         # the drafting done in this round (forwards and their waits in the servers' queues), the part of
         # the block drafted ahead that the round waited for, and the wait for a catch-up
         on_path = draft_on_path + (ahead.on_path_s() if ahead else 0.0) + (catch.waited_s if catch else 0.0)
-        on_path += br.ahead.on_path_s() if taken else 0.0
+        on_path += req.gang_s + (br.ahead.on_path_s() if taken else 0.0)
         t_end = time.perf_counter()
         overhead = t_end - t_round + gap - res.forward_s - on_path
         stats.overhead_s += overhead

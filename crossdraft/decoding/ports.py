@@ -53,12 +53,13 @@ class ModelPort(Protocol):
 class VerifierPort(ModelPort, Protocol):
     def verify(self, sid: str, expect: "Expect | None", drafts: Sequence[int], q_rows: "Sequence[QRow] | None",
                round_index: int, params: "SamplingParams", seed: int, top_logprobs: int = -1,
-               drop_last: bool = False) -> "VerifyReply":
+               drop_last: bool = False, gang: int = 0) -> "VerifyReply":
         """One forward over the uncached tail + drafts; lossless acceptance; the cache keeps the
         accepted prefix. q_rows: one drafter distribution per draft (sampling), else None.
         top_logprobs >= 0: the reply carries each emitted token's log-probability and the n best.
         drop_last: first drop the session's last id, the previous round's own token (pipelined rounds:
-        this block was drafted past the previous one); ``expect`` is the history after the drop."""
+        this block was drafted past the previous one); ``expect`` is the history after the drop.
+        gang: the blocks sent together with this one (crossdraft.decoding.gang): the forward waits for them."""
 
 
 @runtime_checkable
@@ -70,7 +71,8 @@ class DrafterPort(ModelPort, Protocol):
     def draft(self, sid: str, edit: "Edit | None", expect: "Expect | None", k: int, round_index: int,
               params: "SamplingParams", seed: int, stop_below: float, allowed_key: str,
               timeout_s: float | None = None, stop_cumulative: float = 0.0,
-              heal: bool = False, position: int = -1, cancel=None, runner_up: bool = False) -> "list[DraftToken]":
+              heal: bool = False, position: int = -1, cancel=None, runner_up: bool = False,
+              gang: int = 0) -> "list[DraftToken]":
         """Apply the edit, then propose up to k tokens of the mask `allowed_key` (the block ends
         early on the drafter's own doubt: see DrafterSession.draft_iter). heal: token healing of
         the session's last id (crossdraft.vocab.healing); a first token with ``heals`` replaced it.

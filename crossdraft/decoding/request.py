@@ -75,6 +75,10 @@ class Request:
     # when the previous round ended (perf_counter; 0.0 before the first): the time until the next round
     # starts is the front end's handling of that round's event, and counts in the next round's overhead
     t_end: float = 0.0
+    # this round's wait for the blocks other sessions were drafting, and how many blocks went with this one
+    # (crossdraft.decoding.gang)
+    gang_s: float = 0.0
+    gang_n: int = 1
     # a pool of drafter kinds: asked after each round whether another kind's Decoder takes over (Decoder.run)
     chooser: object = None
     # the load gate (crossdraft.decoding.gate.LoadGate) of the Decoder the request started on: it counts

@@ -80,7 +80,9 @@ def round_record(req, round_index: int, kk: int, kd: int, n: int, res, draft_s: 
            # the verifier's time, and the rest of the loop
            "overhead_parts_ms": {k: round(v * 1e3, 3) for k, v in (parts or {}).items()},
            "batch_size": getattr(res, "batch_size", 1), "active_sessions": getattr(res, "active_sessions", 0),
-           "running": running, "draft_batch_rows": round(draft_rows, 2)}
+           "running": running, "draft_batch_rows": round(draft_rows, 2),
+           # the wait for the blocks other sessions were drafting, and how many blocks went with this one
+           "gang_wait_s": round(req.gang_s, 4), "gang": req.gang_n}
     if skip_reason:
         rec["skip_reason"] = skip_reason
     if predicted:

@@ -40,7 +40,7 @@ from crossdraft.errors import InvalidArgument, NotFound, ResourceExhausted
 from crossdraft.runtime.kvpool import KVPool, PoolFull, Row, batched_forward
 from crossdraft.runtime.price import PriceModel
 from crossdraft.runtime.returns import Returns
-from crossdraft.runtime.rowmix import SHORT_ROW, _mixes, _split
+from crossdraft.runtime.rowmix import SHORT_ROW, _split, take_rows
 from crossdraft.runtime.turns import Turns, lock_path
 
 log = logging.getLogger("crossdraft.runtime.batching")
@@ -162,6 +162,8 @@ class BatchStats:
 class BatchScheduler:
     """One loop thread running batched forwards of one model over one :class:`KVPool`."""
 
+    gang_wait_s = 0.02  # the longest a forward waits for the rows of a gang (expect_gang)
+
     def __init__(self, model, pool: KVPool, cfg: BatchConfig, *, threads: int | None = None, evict=None,
                  busy=None):
         self.model = model
@@ -192,6 +194,8 @@ class BatchScheduler:
         # CPU servers sharing cores take turns at forwards (crossdraft.runtime.turns); None: no turns
         self.turns = None
         self._turn_t0 = None  # when the turn held now began (None: none held between forwards)
+        # rows a client said it sends together (expect_gang): the next forward waits briefly until it has as many
+        self._gang_rows, self._gang_until = 0, 0.0
         path = lock_path(cfg.cpu_turns) if pool.device.type == "cpu" else None
         if path:
             self.turns = Turns(path, cfg.name)
@@ -268,6 +272,14 @@ class BatchScheduler:
             slot.handle = None
 
     # ---- the callers' side ----------------------------------------------------------------------
+    def expect_gang(self, rows: int) -> None:
+        """A client sends ``rows`` rows at once (one round loop's sessions whose blocks were ready together,
+        crossdraft.decoding.gang): the next forward waits until it holds that many, at most the base of a
+        forward's price (what a row that misses the forward costs again) and ``gang_wait_s``."""
+        with self._cv:
+            self._gang_rows = max(self._gang_rows, min(int(rows), self.cfg.max_rows))
+            self._gang_until = time.perf_counter() + min(self.gang_wait_s, self._return_wait_s())
+
     def forward(self, slot: "KVSlot", start: int, tokens: list[int], keep: int,
                 head=None, more: bool = False) -> tuple[torch.Tensor, ForwardInfo]:
         """Feed tokens at positions start..; block until done; (logits [keep, V or A] float32, info).
@@ -341,42 +353,43 @@ class BatchScheduler:
                 return []
             batch = [self._q.popleft()]
             slots = {id(batch[0].slot)}
-            tokens = longest = len(batch[0].tokens)
             t_pick = time.perf_counter()
             # (a turn kept from the last forward waits for nobody: the other servers sharing the cores wait for it)
             deadline = t_pick + (self._max_wait_s() if self._turn_t0 is None else 0.0)  # (callers inside the worker)
             returning = t_pick + (self._return_wait_s() if self._turn_t0 is None else 0.0)  # (sessions due back)
-            skipped: list[_Job] = []
             while len(batch) < cfg.max_rows:
-                if self._q:
-                    job = self._q.popleft()
-                    n = len(job.tokens)
-                    if tokens + n > cfg.max_tokens:
-                        skipped.append(job)  # the next batch (in order: nothing overtakes it)
-                        break
-                    if id(job.slot) in slots or not _mixes(len(batch), longest, n, cfg.max_tokens):
-                        skipped.append(job)  # next batch
-                        continue
-                    batch.append(job)
-                    slots.add(id(job.slot))
-                    tokens += n
-                    longest = max(longest, n)
-                    continue
-                # nothing queued: wait a little, only while other rows may be about to come (not
-                # while a row set aside waits for the next batch): rows of callers inside the worker
-                # (a drafter's next step), or of sessions expected back from their clients
-                now = time.perf_counter()
-                if skipped:
+                batch += take_rows(self._q, batch, cfg.max_rows, cfg.max_tokens)
+                if self._q:  # a row set aside (or the batch full): it runs in the next forward
                     break
+                slots = {id(j.slot) for j in batch}
+                # nothing queued: wait a little, only while other rows may be about to come: rows of callers
+                # inside the worker (a drafter's next step), or of sessions expected back from their clients
+                now = time.perf_counter()
                 inside = deadline if now < deadline and self.busy() > len(batch) else None
-                until = max((t for t in (inside, self._returns.wait_until(slots, now, returning)) if t is not None),
-                            default=now)
+                gang = self._gang_until if len(batch) < self._gang_rows and now < self._gang_until else None
+                until = max((t for t in (inside, gang, self._returns.wait_until(slots, now, returning))
+                             if t is not None), default=now)
                 if until <= now:
                     break
                 self._cv.wait(until - now)
             batch, later = _split(batch, self.cost_ms)
-            self._q.extendleft(reversed(later + skipped))
+            self._q.extendleft(reversed(later))
+            self._gang_rows = 0
             return batch
+
+    def _join_turn(self, batch: list[_Job]) -> list[_Job]:
+        """The batch after a wait for its turn: the rows queued meanwhile that join it (where the split by
+        length keeps the batch's own rows), given their KV blocks. Sessions whose rows came together but
+        just after the batch was gathered (blocks sent at once by one round loop, one after another) would
+        otherwise each wait a turn for a forward of their own."""
+        with self._cv:
+            more = take_rows(self._q, batch, self.cfg.max_rows, self.cfg.max_tokens)
+            now, later = _split(batch + more, self.cost_ms)
+            if {id(j) for j in batch} - {id(j) for j in now}:
+                now, later = batch, more
+            self._q.extendleft(reversed(later))
+        kept = {id(j) for j in now}
+        return batch + self._reserve([j for j in more if id(j) in kept])
 
     def _end_turn_unless_row(self, linger_s: float | None = None) -> None:
         """A turn kept from the last forward ends unless a row comes within ``linger_s`` (the turns' linger)."""
@@ -468,7 +481,8 @@ class BatchScheduler:
                 continue
             turns = self.turns
             if turns is not None and self._turn_t0 is None:
-                turns.acquire()
+                if turns.acquire() > 0.001:
+                    batch = self._join_turn(batch)
                 self._turn_t0 = time.perf_counter()
             t0 = time.perf_counter()
             waits = [t0 - j.t_submit for j in batch]

@@ -3,7 +3,7 @@
 A batched forward pads every row to the longest (crossdraft.runtime.kvpool.batched_forward), so the
 scheduler (crossdraft.runtime.batching) keeps long rows apart from short ones (:func:`_mixes`) and,
 with the model's cost table, cuts a batch by length where two forwards cost less than one padded
-(:func:`_split`).
+(:func:`_split`). :func:`take_rows` takes the queued rows that join a batch.
 """
 
 from __future__ import annotations
@@ -30,6 +30,33 @@ def _mixes(rows: int, longest: int, n: int, max_tokens: int) -> bool:
     if padded > max_tokens:
         return False
     return t <= SHORT_ROW or padded - rows * longest - n <= SHORT_ROW
+
+
+def take_rows(q, batch: list, max_rows: int, max_tokens: int) -> list:
+    """Take off the queue ``q`` (a deque of jobs, oldest first) the rows that join ``batch``: in order,
+    one per session, within ``max_rows`` and the token cap, where they mix (:func:`_mixes`). A row set
+    aside stays at the queue's front for the next forward; one past the token cap ends the taking
+    (nothing overtakes it). Returns the rows taken."""
+    slots = {id(j.slot) for j in batch}
+    tokens = sum(len(j.tokens) for j in batch)
+    longest = max((len(j.tokens) for j in batch), default=0)
+    taken: list = []
+    aside: list = []
+    while q and len(batch) + len(taken) < max_rows:
+        job = q.popleft()
+        n = len(job.tokens)
+        if tokens + n > max_tokens:
+            aside.append(job)
+            break
+        if id(job.slot) in slots or not _mixes(len(batch) + len(taken), longest, n, max_tokens):
+            aside.append(job)
+            continue
+        taken.append(job)
+        slots.add(id(job.slot))
+        tokens += n
+        longest = max(longest, n)
+    q.extendleft(reversed(aside))
+    return taken
 
 
 def _split(batch: list, cost_ms: list[float] | None) -> tuple[list, list]:

@@ -376,9 +376,10 @@ class VerifierWorker(_Worker):
         return TargetSession(self.loaded.model, ids, self.loaded.device, kv=self._kv())
 
     def verify(self, sid: str, expect: Expect | None, drafts, q_rows, round_index: int, params: SamplingParams,
-               seed: int, top_logprobs: int = -1, drop_last: bool = False) -> VerifyReply:
+               seed: int, top_logprobs: int = -1, drop_last: bool = False, gang: int = 0) -> VerifyReply:
         """drop_last: first drop the session's last id (pipelined rounds: TargetSession.drop_last);
-        ``expect`` is the history after the drop."""
+        ``expect`` is the history after the drop. gang: the rows the client sends together with this one
+        (the batch waits briefly for them: BatchScheduler.expect_gang)."""
         drafts = _check_ids("draft_token_ids", drafts, self.vocab)
         _check_draws(round_index, seed)
         from crossdraft.runtime.sessions import MAX_TOP_LOGPROBS
@@ -393,6 +394,8 @@ class VerifierWorker(_Worker):
                 sess.drop_last()
             self._check(sess, expect, "verify")
             self._check_len(len(sess.ids) + len(drafts) + 1, "draft_token_ids")
+            if gang > 1 and self.scheduler is not None:
+                self.scheduler.expect_gang(gang)
             res = sess.verify(drafts, q_rows if q_rows else None, round_index, params, seed, top_logprobs)
             o = res.outcome
             last = getattr(sess.kv, "last", None)
@@ -487,12 +490,13 @@ class DrafterWorker(_Worker):
 
     def draft_iter(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
                    seed: int, stop_below: float, allowed_key: str, stop_cumulative: float = 0.0, heal: bool = False,
-                   position: int = -1, runner_up: bool = False):
+                   position: int = -1, runner_up: bool = False, gang: int = 0):
         """Apply the edit, then yield up to k DraftTokens (holding the model lock while drafting).
 
         heal: token healing of the session's last id (greedy only; crossdraft.vocab.healing). position: the
         target-side position of the first proposal (coupled draws; -1 = unknown). runner_up (greedy): each
-        token also carries its probability and the drafter's second choice (DraftRequest.runner_up)."""
+        token also carries its probability and the drafter's second choice (DraftRequest.runner_up). gang:
+        the sessions the client starts drafting with this one (BatchScheduler.expect_gang)."""
         check_int("num_draft_tokens", k, 1, 64)
         if heal and not params.greedy:
             raise InvalidArgument("heal", "token healing is for greedy drafting only (temperature 0)")
@@ -513,6 +517,8 @@ class DrafterWorker(_Worker):
             held = time.perf_counter() - t_enter
             self._edit(sess, edit, expect)
             self._check_len(len(sess.ids) + k, "num_draft_tokens")
+            if gang > 1 and self.scheduler is not None:
+                self.scheduler.expect_gang(gang)
             it = sess.draft_iter(k, round_index, params, seed, allowed, stop_below, stop_cumulative,
                                  heal=self.token_bytes() if heal else None, position=position, runner_up=runner_up)
             sess.calls += 1
@@ -537,13 +543,13 @@ class DrafterWorker(_Worker):
     def draft(self, sid: str, edit, expect: Expect | None, k: int, round_index: int, params: SamplingParams,
               seed: int, stop_below: float, allowed_key: str, timeout_s: float | None = None,
               stop_cumulative: float = 0.0, heal: bool = False, position: int = -1, cancel=None,
-              runner_up: bool = False) -> list[DraftToken]:
+              runner_up: bool = False, gang: int = 0) -> list[DraftToken]:
         """The whole block at once (the round loop's DrafterPort.draft; timeout_s is for remote
         drafters: in process there is no wire to wait on). cancel: ``is_set()`` is asked once after each
         token (DrafterPort.draft); True ends the block there."""
         toks = []
         for tok in self.draft_iter(sid, edit, expect, k, round_index, params, seed, stop_below, allowed_key,
-                                   stop_cumulative, heal, position, runner_up):
+                                   stop_cumulative, heal, position, runner_up, gang):
             toks.append(tok)
             if cancel is not None and cancel.is_set():
                 break

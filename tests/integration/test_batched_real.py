@@ -77,3 +77,8 @@ def test_eight_concurrent_clients_get_the_tokens_they_get_alone(stack):
         lines = [json.loads(line) for line in f.read().rpartition("\n")[0].splitlines()]
     rows = [r["draft_batch_rows"] for r in lines if r.get("drafted", 0) > 0]
     assert rows and all(1 <= x <= len(PROMPTS) for x in rows)
+    # drafted blocks went to the verifier with the blocks drafted beside them (crossdraft.decoding.gang): at
+    # most the 8 sessions at once; rounds that drafted nothing went alone, without waiting
+    gangs = [(r["gang"], r["gang_wait_s"], r["requested"]) for r in lines if "round" in r]
+    assert all(1 <= g <= len(PROMPTS) and w >= 0 for g, w, _ in gangs)
+    assert all(g == 1 and w == 0 for g, w, k in gangs if k == 0)

@@ -312,7 +312,7 @@ def test_a_long_prefill_does_not_pad_other_sessions_short_rows(target, tok_t):
     with six sessions' 3-token blocks runs in a forward of its own, and the blocks batch together:
     no forward pads short rows to the prompt's length (6 x 120 computed for 18 real tokens). The
     answers are the one-by-one ones."""
-    from crossdraft.runtime.batching import SHORT_ROW, _mixes
+    from crossdraft.runtime.rowmix import SHORT_ROW, _mixes
 
     rng = np.random.default_rng(7)
     short = {f"s{i}": [int(x) for x in rng.integers(5, len(tok_t) - 5, size=10)] for i in range(6)}

@@ -225,3 +225,70 @@ def test_a_lock_file_that_fails_leaves_the_forwards_running_without_turns(tmp_pa
     finally:
         t._mark_fd = os.open(t._mark, os.O_RDWR)
         t.close()
+
+
+def test_rows_that_come_while_a_batch_waits_for_its_turn_join_it(monkeypatch, tmp_path):
+    """A batch gathered, then held waiting for the turn (another server computing): rows queued meanwhile
+    (sessions whose blocks were sent a moment later) run in that forward, not each in a turn of its own."""
+    events: list = []
+    _forwards(monkeypatch, events, 0.0)
+    path = str(tmp_path / "turns.lock")
+    peer = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(peer, fcntl.LOCK_EX)  # (the drafter in the middle of its forward)
+    v = _scheduler("verifier", path)
+    try:
+        first = threading.Thread(target=lambda: v.forward(KVSlot(), 0, [1], 1))
+        first.start()
+        for _ in range(20000):  # until the first row was gathered (it then waits for the turn)
+            with v._cv:
+                if not v._q:
+                    break
+            time.sleep(0.001)
+        time.sleep(0.05)
+        later = [threading.Thread(target=lambda: v.forward(KVSlot(), 0, [1], 1)) for _ in range(2)]
+        for t in later:
+            t.start()
+        for _ in range(20000):
+            with v._cv:
+                if len(v._q) == 2:
+                    break
+            time.sleep(0.001)
+        fcntl.flock(peer, fcntl.LOCK_UN)
+        for t in [first, *later]:
+            t.join(30)
+    finally:
+        v.close()
+        os.close(peer)
+    assert [n for _, what, n in events if what == "start"] == [3]
+
+
+@pytest.mark.parametrize("hint", [0, 3])
+def test_rows_sent_as_a_gang_share_one_forward(monkeypatch, hint):
+    """A client says it sends 3 rows at once (BatchScheduler.expect_gang): the first waits for the other two
+    (which come a moment later) and the three share one forward; without the hint, the first row runs alone
+    (no caller inside the worker, no return history: nothing else to wait for)."""
+    events: list = []
+    _forwards(monkeypatch, events, 0.0)
+    v = _scheduler("verifier", None)
+    monkeypatch.setattr(BatchScheduler, "gang_wait_s", 3600.0)
+    v._return_wait_s = lambda: 3600.0 if hint else 0.0
+    try:
+        if hint:
+            v.expect_gang(hint)
+        first = threading.Thread(target=lambda: v.forward(KVSlot(), 0, [1], 1))
+        first.start()
+        for _ in range(20000):  # until the first row is in the scheduler's hands (gathered or run)
+            with v._cv:
+                if not v._q and (events or v._gang_rows or not hint):
+                    break
+            time.sleep(0.001)
+        time.sleep(0.05)
+        later = [threading.Thread(target=lambda: v.forward(KVSlot(), 0, [1], 1)) for _ in range(2)]
+        for t in [*later]:
+            t.start()
+        for t in [first, *later]:
+            t.join(30)
+    finally:
+        v.close()
+    starts = [n for _, what, n in events if what == "start"]
+    assert starts == ([3] if hint else [1, 2]) or (not hint and starts == [1, 1, 1]), starts

@@ -41,8 +41,8 @@ BREAKING = [
     pytest.param(
         "drafter.proto",
         "uint32 num_draft_tokens = 4;",
-        "uint32 num_draft_tokens = 14;",
-        "DraftRequest: field num_draft_tokens = 4 removed (renumbered to 14)",
+        "uint32 num_draft_tokens = 40;",
+        "DraftRequest: field num_draft_tokens = 4 removed (renumbered to 40)",
         id="renumber-field",
     ),
     pytest.param(
