@@ -283,8 +283,7 @@ class Decoder(Pipelining):
 
     def _rounds(self, run: Run, req: Request, round_index: int, round_scope):
         t_start = time.perf_counter()
-        run.target_ids = req.t_ids
-        run.drafter_ids = req.d.ids if req.d else None
+        run.target_ids, run.drafter_ids = req.t_ids, req.d.ids if req.d else None
         run.decoder = self
         with self._lock:
             self._reqs[id(req)] = req
@@ -297,6 +296,7 @@ class Decoder(Pipelining):
             dec = run.decoder  # (the request may have been handed over to another drafter kind's Decoder)
             with dec._lock:
                 dec._reqs.pop(id(req), None)
+            dec.gang.leave(req.sid)  # (a block it was drafting when a round failed: nobody waits for it)
             self._end_calls(req)  # (pipeline.py: the calls beside its rounds end before the session's next)
 
     def _loop(self, run: Run, req: Request, round_index: int, round_scope, t_start: float):
