@@ -419,19 +419,19 @@ class Decoder(Pipelining):
         # was drafted during the previous verification (pipelined: its wait was on that round's path)
         drafted, req.ready = req.ready, None
         was_ahead = drafted is not None and req.spec
+        # fixed blocks are verified with the blocks being drafted beside them (crossdraft.decoding.gang)
+        ganged = kk > 0 and not was_ahead and not req.draft.adaptive
         if was_ahead:
             kk, draft_on_path = len(drafted.target_ids), 0.0
         else:
-            with self.gang.drafting(req.sid) if kk > 0 else nullcontext():
+            with self.gang.drafting(req.sid) if ganged else nullcontext():
                 drafted = self._draft_step(req, kk, remaining, round_index)
             draft_on_path = drafted.seconds
         draft_wall = time.perf_counter() - t_round if drafted.wall < 0 else drafted.wall
         # (pipelined) the next block, drafted while this one is verified
         req.ahead = self._draft_ahead(req, drafted, remaining, round_index) if self.pipeline else None
-        # 2. verify them in one target forward: the accepted drafts and the target's own next token -- with the
-        # blocks the other sessions are drafting now, once they are ready (waiting at most twice this block's drafting)
-        req.gang_s, req.gang_n = (self.gang.ready(req.sid, min(2.0, max(0.05, 2 * draft_wall)))
-                                  if kk and not was_ahead else (0.0, 1))
+        # 2. verify them in one target forward: the accepted drafts and the target's own next token
+        req.gang_s, req.gang_n = self.gang.ready(req.sid, min(2.0, max(0.05, 2 * draft_wall))) if ganged else (0.0, 1)
         # (pipelined) a round that drafts nothing before a probe: the drafter catches up meanwhile
         catch = self._catch_up(req, kk)
         t_verify = time.perf_counter()
