@@ -567,3 +567,48 @@ def test_the_end_of_a_burst_requests_first_round_prices_drafting_at_the_requests
     assert first.requested == 0 and first.skip_reason == "starting"
     assert second.requested == 0 and second.skip_reason == "load"
     assert eng.counting.drafts == 1  # (the lone request's first block only)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_fixed_blocks_drafted_together_are_verified_together(eng, adaptive):
+    """Two requests in one round loop draft their first blocks at the same time (a barrier in the drafter
+    holds each until both are drafting): with fixed blocks, the one whose block is ready first waits for
+    the other's, and both Verify calls say two went together (VerifyRequest.gang); adaptive blocks are not
+    ganged (crossdraft.decoding.gang: the policy does not price a gang yet)."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=60)
+    first: set = set()
+    gangs: list = []
+    drafter, verifier = eng.decoder.drafter, eng.decoder.verifier
+
+    class Together:
+        def draft(self, sid, *a, **kw):
+            if sid not in first:
+                first.add(sid)
+                barrier.wait()
+            return drafter.draft(sid, *a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(drafter, name)
+
+    class Recorded:
+        def verify(self, *a, **kw):
+            gangs.append(kw.get("gang", 1))
+            return verifier.verify(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(verifier, name)
+
+    eng.decoder.drafter, eng.decoder.verifier = Together(), Recorded()
+    draft = DraftConfig(adaptive=adaptive, num_draft_tokens=4, allow_skip=False)
+    outs: list = []
+    threads = [threading.Thread(target=lambda: outs.append(eng.generate(PROMPT, max_new_tokens=12, draft=draft)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    eng.decoder.drafter, eng.decoder.verifier = drafter, verifier
+    assert len(first) == 2 and len(outs) == 2 and outs[0].token_ids == outs[1].token_ids
+    assert max(gangs) == (1 if adaptive else 2), gangs
