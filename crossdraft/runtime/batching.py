@@ -352,7 +352,6 @@ class BatchScheduler:
             if not self._q:
                 return []
             batch = [self._q.popleft()]
-            slots = {id(batch[0].slot)}
             t_pick = time.perf_counter()
             # (a turn kept from the last forward waits for nobody: the other servers sharing the cores wait for it)
             deadline = t_pick + (self._max_wait_s() if self._turn_t0 is None else 0.0)  # (callers inside the worker)
