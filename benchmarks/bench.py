@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target-dtype", default=None)
     ap.add_argument("--drafter-dtype", default=None)
-    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8", "int4"),
                     help="int8 weight copies for the drafters' one-token steps (crossdraft/models/quant.py); "
                          "the HF rows use the same drafter objects")
     ap.add_argument("--draft-vocab", type=int, default=None,

@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--tag", default="cpu-linear")
-    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"))
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8", "int4"))
     a = ap.parse_args()
 
     import bench

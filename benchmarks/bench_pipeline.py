@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int8", "none"),
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int4", "int8", "none"),
                     help="the drafter server's --quantize (auto: its default, int8 copies where they measure faster)")
     ap.add_argument("--drafter-cpus", default="0")
     ap.add_argument("--verifier-cpus", default="1")

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--targets", default="qwen2.5-coder-1.5b,gemma3-270m")
     ap.add_argument("--drafters", default="smollm2-135m,qwen2.5-coder-0.5b", help="the pool's kinds, in order")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int8", "none"),
+    ap.add_argument("--drafter-quantize", default="auto", choices=("auto", "int4", "int8", "none"),
                     help="the drafter servers' --quantize (auto: their default, int8 copies where they measure faster)")
     ap.add_argument("--per-class", type=int, default=2, help="prompts per class")
     ap.add_argument("--max-new-tokens", type=int, default=48)

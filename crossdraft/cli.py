@@ -39,10 +39,10 @@ def _add_model_opts(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda or cuda:N (both models)")
     p.add_argument("--target-dtype", default=None, help="target dtype (default: measured fastest for verification)")
     p.add_argument("--drafter-dtype", default=None, help="drafter dtype (default: measured fastest for decoding)")
-    p.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8"),
-                   help="int8 weight copies for the drafter's one-token steps (about half their time on a CPU; "
-                        "the output is unchanged: the target verifies every token); auto = int8 on a CPU in "
-                        "bfloat16/float16")
+    p.add_argument("--drafter-quantize", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="int8 or int4 weight copies for the drafter's few-token steps (int8 about half their time "
+                        "on a CPU, int4 about a third; the output is unchanged: the target verifies every token); "
+                        "auto = int4 on a CPU in bfloat16/float16")
     p.add_argument("--cpu-linear", default=None, choices=("auto", "packed", "plain"),
                    help="float32 on a CPU (both models): linear layers on weights packed once for oneDNN "
                         "(same numbers; on some CPUs several times faster for few-token forwards); auto = "

@@ -143,7 +143,7 @@ class LoadedModel:
     vocab_size: int  # logits width
     kind: str = field(default="hf_dir")  # "catalog" | "hf_dir" | "gguf" | "hub"
     revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
-    quantize: str = "none"  # "int8": the linear layers carry int8 weights for few-row calls (crossdraft.models.quant)
+    quantize: str = "none"  # "int8" / "int4": the linear layers carry low-bit weights for few-row calls (models.quant)
     cpu_linear: str = "plain"  # "packed": fp32 linear layers run on oneDNN-packed weights (crossdraft.models.cpulinear)
     quantize_act: str = ""  # int8 layers of an fp32 model: the kernel's activation dtype ("float32" / "bfloat16")
 
@@ -239,13 +239,19 @@ def _load_weights(ref: ModelRef, kwargs: dict[str, Any], progress: bool) -> Any:
 def _quantize(model: Any, quantize: str) -> tuple[str, torch.dtype | None]:
     """Give ``model`` int8 weight copies where ``quantize`` asks for them and they pay (:mod:`crossdraft.models.quant`).
 
-    Returns the mode applied (``"int8"`` or ``"none"``) and, for an fp32 model, the kernel's activation dtype.
+    Returns the mode applied (``"int8"``, ``"int4"`` or ``"none"``) and, for an fp32 model, the kernel's
+    activation dtype.
     """
     from crossdraft.models import quant
 
     qdev = model.get_input_embeddings().weight.device
     qmode = quant.resolve_mode(quantize, qdev, model.dtype)
     act = None
+    if qmode == "int4":  # its fp32-activation path is ~30x slower than the bf16 one: an fp32 model rounds to bf16
+        act = torch.bfloat16 if model.dtype == torch.float32 else None
+        if quant.quantize_int8(model, act_dtype=act, bits=4) == 0:
+            qmode = "none"
+        return qmode, act
     if model.dtype == torch.float32 and qdev.type == "cpu" and quant.parse_mode(quantize) != "none":
         # an fp32 drafter: int8 with fp32 or bf16 activations, whichever is faster, where it pays
         act = quant.choose_fp32(model, required=qmode == "int8")
@@ -282,8 +288,8 @@ def load_model(
     ``dtype``: ``None`` means float32; see :func:`parse_dtype`. ``device``: ``cpu``, ``cuda``,
     ``cuda:N``; ignored when ``device_map`` (e.g. ``"auto"``) is given, in which case it and
     ``max_memory`` go to ``from_pretrained`` and ``LoadedModel.device`` is where the input
-    embeddings landed. ``quantize``: ``none`` (default), ``int8`` or ``auto`` -- int8 weight copies
-    for few-row forwards, for *drafters* only (see :mod:`crossdraft.models.quant`; ``auto`` = int8 on a CPU
+    embeddings landed. ``quantize``: ``none`` (default), ``int8``, ``int4`` or ``auto`` -- low-bit weight copies
+    for few-row forwards, for *drafters* only (see :mod:`crossdraft.models.quant`; ``auto`` = int4 on a CPU
     in bf16/fp16). ``cpu_linear``: ``auto`` (default; ``None`` reads ``CROSSDRAFT_CPU_LINEAR``),
     ``packed`` or ``plain`` -- float32 CPU linear layers on oneDNN-packed weights where that measures
     faster on this machine (see :mod:`crossdraft.models.cpulinear`).
@@ -324,5 +330,5 @@ def load_model(
         revision=ref.revision,
         quantize=qmode,
         cpu_linear=lmode,
-        quantize_act=str(act).replace("torch.", "") if qmode == "int8" and act is not None else "",
+        quantize_act=str(act).replace("torch.", "") if qmode in ("int8", "int4") and act is not None else "",
     )

@@ -96,9 +96,10 @@ def add_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--dtype", default=_env("DTYPE", None), help="float32 | bfloat16 | float16 (env CROSSDRAFT_DTYPE)")
     p.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu | cuda | cuda:N (env CROSSDRAFT_DEVICE)")
     p.add_argument("--quantize", default=_env("QUANTIZE", "auto"),
-                   help="drafter only: auto | none | int8 -- int8 copies of the weights for its one-token steps "
-                        "(about half the step time on a CPU; drafts only, output unchanged); auto = int8 on a "
-                        "CPU in bfloat16/float16. A verifier keeps exact weights: none or auto "
+                   help="drafter only: auto | none | int8 | int4 -- low-bit copies of the weights for its few-token "
+                        "steps (int8 about half the step time on a CPU, int4 about a third; drafts only, output "
+                        "unchanged); auto = int4 on a CPU in bfloat16/float16. A verifier keeps exact weights: "
+                        "none or auto "
                         "(env CROSSDRAFT_QUANTIZE)")
     p.add_argument("--cpu-linear", default=_env("CPU_LINEAR", "auto"),
                    help="float32 on a CPU: auto | packed | plain -- linear layers on weights packed once for "
@@ -212,9 +213,9 @@ def config_from_args(a) -> ModelServerConfig:
 def quantize_for(kind: str, cfg: ModelServerConfig) -> str:
     """The quantize mode a server of `kind` loads its model with: a verifier's weights stay exact."""
     if kind == "verifier":
-        if cfg.quantize == "int8":
+        if cfg.quantize in ("int8", "int4"):
             raise InvalidArgument("quantize", "a verifier keeps the target's exact weights (its output must equal "
-                                              "the target alone); only a drafter may use int8")
+                                              f"the target alone); only a drafter may use {cfg.quantize}")
         return "none"
     return cfg.quantize
 

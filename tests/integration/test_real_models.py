@@ -97,17 +97,19 @@ def test_coupled_sampling_identical_to_target_only(engine):
     assert accepted > 0
 
 
-@pytest.fixture(scope="module")
-def smol_int8(catalog_model):
-    return catalog_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize="int8")
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def smol_int8(catalog_model, request):
+    return catalog_model("smollm2-135m", dtype=M.DEFAULT_DTYPES["drafter"], quantize=request.param)
 
 
 def test_an_int8_drafter_changes_speed_only(engine, smol_int8, target_only):
-    """smollm2-135m with int8 weight copies (crossdraft/models/quant.py) drafting for a real fp32 target:
-    greedy output identical to the target alone, drafts accepted, steps through the int8 kernel."""
+    """smollm2-135m with int8 / int4 weight copies (crossdraft/models/quant.py) drafting for a real fp32
+    target: greedy output identical to the target alone, drafts accepted, steps through the low-bit kernel."""
     from crossdraft.models import quant
 
-    assert smol_int8.quantize == "int8"
+    assert smol_int8.quantize in ("int8", "int4")
+    assert any(type(m) is (quant.Int4Linear if smol_int8.quantize == "int4" else quant.Int8Linear)
+               for m in smol_int8.model.modules())
     eng = Engine(engine.target, smol_int8)
     before = quant.int8_calls(smol_int8.model)
     accepted = 0

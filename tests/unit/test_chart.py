@@ -251,7 +251,7 @@ def test_crd_kinds_only_when_enabled(render):
     "drafter.device=tpu",
     "verifier.device=gpu",
     "drafter.dtype=int4",
-    "drafter.quantize=int4",
+    "drafter.quantize=int2",
     "verifier.quantize=int8",  # the target's weights stay exact: no such knob for the verifier
     "drafter.gpu.count=-1",
     "gateway.ports.http=70000",

@@ -1,9 +1,9 @@
-"""Int8 drafter weights (crossdraft/models/quant.py): the kernel's numbers, when it is used, and that a
-quantized drafter changes nothing but speed -- greedy output equal to the target alone, sampled
-output distributed as the target's, one token fed per draft step.
+"""Int8 and int4 drafter weights (crossdraft/models/quant.py): the kernels' numbers, when they are used,
+and that a quantized drafter changes nothing but speed -- greedy output equal to the target alone,
+sampled output distributed as the target's, one token fed per draft step.
 
-Tiny random-init models (real transformers modules, fake weights); the int8 kernel is the real
-``torch.ops.aten._weight_int8pack_mm`` on this CPU.
+Tiny random-init models (real transformers modules, fake weights); the kernels are the real
+``torch.ops.aten._weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` on this CPU.
 """
 
 from __future__ import annotations
@@ -62,6 +62,42 @@ def test_few_rows_take_the_int8_kernel_and_more_rows_the_float_weight(dtype, bia
     assert q.weight is lin.weight
 
 
+@pytest.mark.skipif(not quant.available("int4"), reason="this torch has no _weight_int4pack_mm_for_cpu")
+@pytest.mark.parametrize("dtype, act", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_few_rows_take_the_int4_kernel_within_half_a_group_step(dtype, act):
+    lin = _linear(64, 96, dtype, bias=True)
+    q = quant.Int4Linear.from_linear(lin, max_rows=8, act_dtype=act)
+    deq = q.dequantized()
+    # every weight within half a step of its group's scale (groups of INT4_GROUP along a row)
+    step = q.scales[..., 0].float().T.repeat_interleave(quant.INT4_GROUP, dim=1)  # [out, in]
+    assert step.shape == lin.weight.shape
+    assert bool(((deq - lin.weight.float()).abs() <= step * 0.5 + 1e-3 * step + 1e-6).all())
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        before = q.int8_calls
+        y = q(x)
+        assert q.int8_calls == before + 1 and y.dtype == dtype
+        want = x.to(q.act_dtype).float() @ deq.T + lin.bias.float()
+        assert y.shape == (rows, 96) and float((y.float() - want).abs().max()) <= 2e-2 * (float(want.abs().max()) + 1)
+    x = torch.randn(9, 64, generator=g).to(dtype)  # more rows than max_rows: exactly the float layer
+    assert torch.equal(q(x), lin(x)) and q.int8_calls == 3
+    # pruned rows: the groups lie within a row, so the rows' int4 copy is the full layer's rows
+    idx = torch.tensor([0, 5, 6, 77])
+    sub = q.rows(idx)
+    assert isinstance(sub, quant.Int4Linear) and torch.equal(sub.scales[:, :4], q.scales[:, idx])  # (+ padding)
+    h = torch.randn(1, 64, generator=g).to(dtype)
+    assert torch.allclose(apply_head(h, sub).float(), q(h)[:, idx].float(), atol=1e-2)
+
+
+@pytest.mark.skipif(not quant.available("int4"), reason="this torch has no _weight_int4pack_mm_for_cpu")
+def test_int4_takes_only_layers_of_whole_groups():
+    m = nn.Sequential(_linear(48, 32, torch.bfloat16), nn.ReLU(), _linear(32, 16, torch.bfloat16))
+    assert quant.quantize_int8(m, bits=4) == 1  # 48 inputs are not whole groups of 32
+    assert type(m[0]) is nn.Linear and isinstance(m[2], quant.Int4Linear) and m[2].max_rows == quant.INT4_MAX_ROWS
+    assert torch.isfinite(m(torch.randn(1, 48).to(torch.bfloat16)).float()).all()
+
+
 def test_pruned_rows_keep_their_int8_copy():
     lin = _linear(32, 50, torch.float32)
     q = quant.Int8Linear.from_linear(lin)
@@ -86,33 +122,41 @@ def test_bf16_layers_the_kernel_cannot_take_keep_their_float_path():
 
 def test_modes_resolve_per_device_and_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert quant.resolve_mode("auto", cpu, torch.bfloat16) == "int8"
-    assert quant.resolve_mode("auto", cpu, torch.float16) == "int8"
+    low = "int4" if quant.available("int4") else "int8"  # the fewest bytes this torch has a kernel for
+    assert quant.resolve_mode("auto", cpu, torch.bfloat16) == low
+    assert quant.resolve_mode("auto", cpu, torch.float16) == low
     assert quant.resolve_mode("auto", cpu, torch.float32) == "none"  # fp32 stays exact unless asked
     assert quant.resolve_mode("auto", cuda, torch.bfloat16) == "none"
     assert quant.resolve_mode("int8", cpu, torch.float32) == "int8"
     assert quant.resolve_mode(None, cpu, torch.float32) == "none"
-    with pytest.raises(InvalidArgument, match="quantize") as e:
-        quant.resolve_mode("int8", cuda, torch.bfloat16)
-    assert e.value.field == "quantize"
-    with pytest.raises(InvalidArgument, match="quantize.*int4"):
-        quant.parse_mode("int4")
+    for mode in ("int8", "int4"):
+        with pytest.raises(InvalidArgument, match=f"quantize: {mode} weights are a CPU path") as e:
+            quant.resolve_mode(mode, cuda, torch.bfloat16)
+        assert e.value.field == "quantize"
+    with pytest.raises(InvalidArgument, match="quantize.*int5"):
+        quant.parse_mode("int5")
 
 
-def _quantized(lm):
+def _quantized(lm, bits: int = 8):
     q = copy.deepcopy(lm)
-    assert quant.quantize_int8(q.model) > 0
+    assert quant.quantize_int8(q.model, bits=bits) > 0
     return q
 
 
 @pytest.fixture(scope="module")
 def drafters(tok_t, tok_d):
-    return {"tli": _quantized(tiny_lm(tok_d, seed=2)), "same-vocab": _quantized(tiny_lm(tok_t, seed=3))}
+    out = {"tli": _quantized(tiny_lm(tok_d, seed=2)), "same-vocab": _quantized(tiny_lm(tok_t, seed=3))}
+    if quant.available("int4"):
+        out |= {"tli int4": _quantized(tiny_lm(tok_d, seed=2), 4),
+                "same-vocab int4": _quantized(tiny_lm(tok_t, seed=3), 4)}
+    return out
 
 
-@pytest.mark.parametrize("pair", ["tli", "same-vocab"])
+@pytest.mark.parametrize("pair", ["tli", "same-vocab", "tli int4", "same-vocab int4"])
 @pytest.mark.parametrize("prune", [True, False])
 def test_a_quantized_drafter_leaves_greedy_output_unchanged(target, drafters, pair, prune, monkeypatch, tmp_path):
+    if pair not in drafters:
+        pytest.skip("this torch has no _weight_int4pack_mm_for_cpu")
     monkeypatch.setattr(AllowedSet, "prune_below", 2.0 if prune else 0.0)
     eng = Engine(target, drafters[pair], vocab_cache_dir=tmp_path)
     allowed = AllowedSet(eng.drafter.model, eng.pair.masks["tli"], eng.drafter.device)
@@ -154,16 +198,19 @@ def test_draft_steps_feed_one_token_through_the_int8_kernel(target, drafters, tm
         log.close()
 
 
-def test_a_quantized_drafter_keeps_sampling_lossless(tok_t, monkeypatch):
-    """A same-vocabulary int8 drafter close to its target (the accept branch carries most of the
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_drafter_keeps_sampling_lossless(tok_t, monkeypatch, bits):
+    """A same-vocabulary int8 / int4 drafter close to its target (the accept branch carries most of the
     mass): recorded rounds are checked exactly (tests/exact.py), and a seeded chi-square of the first
     two sampled tokens guards the whole path end to end."""
     from tests import exact
     from tests.unit import test_engine_tiny as T
 
+    if bits == 4 and not quant.available("int4"):
+        pytest.skip("this torch has no _weight_int4pack_mm_for_cpu")
     target = tiny_lm(tok_t, seed=1, arch="qwen2", extra_vocab=7, head_scale=25.0, with_eos=False)
     drafter = noisy_copy(target, 0.3, seed=9)
-    quant.quantize_int8(drafter.model)
+    assert quant.quantize_int8(drafter.model, bits=bits) > 0
     eng = Engine(target, drafter)
     params = SamplingParams(temperature=1.0)
     with monkeypatch.context() as mp:
@@ -175,13 +222,14 @@ def test_a_quantized_drafter_keeps_sampling_lossless(tok_t, monkeypatch):
         report = exact.check_rounds(cap, target.model, eng.pair.d2t, drafter_model=None, limit=8)
     assert report.nodes >= 20 and float(np.mean(report.accept_mass)) > 0.3
     assert any(0 < a < 1 for a in report.accept_mass)
-    rate = T._check_distribution(eng, params, n=2_000)
-    assert rate > 0.3
+    if bits == 8:  # (the sampled path end to end is the same code whatever the drafter's weights)
+        assert T._check_distribution(eng, params, n=2_000) > 0.3
     assert quant.int8_calls(drafter.model) > 0
 
 
 @pytest.mark.parametrize("attr, before, after", [
     ("quantize", "none", "int8"),                # int8 weight copies change the small forwards' times
+    ("quantize", "int8", "int4"),
     ("quantize_act", "float32", "bfloat16"),     # an fp32 model's int8 layers: which activations
     ("cpu_linear", "plain", "packed"),           # oneDNN-packed fp32 layers (crossdraft.models.cpulinear)
 ])
@@ -202,9 +250,10 @@ def test_verifier_weights_stay_exact():
 
     assert quantize_for("verifier", ModelServerConfig(model="x", quantize="auto")) == "none"
     assert quantize_for("drafter", ModelServerConfig(model="x", quantize="auto")) == "auto"
-    with pytest.raises(InvalidArgument, match="only a drafter") as e:
-        quantize_for("verifier", ModelServerConfig(model="x", quantize="int8"))
-    assert e.value.field == "quantize"
+    for mode in ("int8", "int4"):
+        with pytest.raises(InvalidArgument, match=f"only a drafter may use {mode}") as e:
+            quantize_for("verifier", ModelServerConfig(model="x", quantize=mode))
+        assert e.value.field == "quantize"
 
 
 def test_int8_rows_match_the_float_model_closely(tok_t):
@@ -222,7 +271,7 @@ def test_int8_rows_match_the_float_model_closely(tok_t):
 
 @pytest.mark.parametrize("kind, args, needle", [
     ("verifier", ["--quantize", "int8"], "quantize: a verifier keeps the target's exact weights"),
-    ("drafter", ["--quantize", "int4"], "quantize: must be one of auto, none, int8"),
+    ("drafter", ["--quantize", "int5"], "quantize: must be one of auto, none, int8, int4"),
 ])
 def test_servers_refuse_a_bad_quantize_flag_before_loading(kind, args, needle):
     """Real server processes: the flag is checked before any model loads (exit 2, the field named)."""
