@@ -237,7 +237,8 @@ def _load_weights(ref: ModelRef, kwargs: dict[str, Any], progress: bool) -> Any:
 
 
 def _quantize(model: Any, quantize: str) -> tuple[str, torch.dtype | None]:
-    """Give ``model`` int8 weight copies where ``quantize`` asks for them and they pay (:mod:`crossdraft.models.quant`).
+    """Give ``model`` low-bit weight copies where ``quantize`` asks for them and they pay
+    (:mod:`crossdraft.models.quant`).
 
     Returns the mode applied (``"int8"``, ``"int4"`` or ``"none"``) and, for an fp32 model, the kernel's
     activation dtype.
@@ -256,6 +257,10 @@ def _quantize(model: Any, quantize: str) -> tuple[str, torch.dtype | None]:
         # an fp32 drafter: int8 with fp32 or bf16 activations, whichever is faster, where it pays
         act = quant.choose_fp32(model, required=qmode == "int8")
         qmode = "int8" if act is not None else "none"
+        if qmode == "int8" and quant.parse_mode(quantize) == "auto" and quant.int4_pays_fp32(model, act):
+            # int4 (bf16 activations) beats int8 by enough on this machine to pay for its drafts
+            swapped = quant.quantize_int8(model, act_dtype=torch.bfloat16, bits=4)
+            return ("int4", torch.bfloat16) if swapped else ("none", None)
     if qmode == "int8" and quant.quantize_int8(model, act_dtype=act) == 0:
         qmode = "none"  # no layer the kernel can take
     return qmode, act

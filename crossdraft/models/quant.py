@@ -255,6 +255,59 @@ def _best_pass(fns, xs, repeats: int = 3) -> float:
 PROBE_BYTES = 128 << 20  # timed layers' fp32 bytes: more than a CPU's caches, as in a real forward
 
 
+def _probe_layers(model: nn.Module, group: int = 16) -> list[nn.Linear]:
+    """The fp32 layers a load times kernels on: the first body layers in model order (~PROBE_BYTES) and
+    up to 64 MB of the LM head's rows; only layers whose width is a multiple of `group`."""
+    head = getattr(model, "lm_head", None)
+    lins, size = [], 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (type(m) is nn.Linear and m is not head and w.dim() == 2 and w.dtype == torch.float32
+                and w.device.type == "cpu" and w.shape[1] % group == 0):
+            lins.append(m)
+            size += w.numel() * 4
+            if size >= PROBE_BYTES:
+                break
+    hw = getattr(head, "weight", None)
+    if (type(head) is nn.Linear and hw is not None and hw.dim() == 2 and hw.dtype == torch.float32
+            and hw.device.type == "cpu" and hw.shape[1] % group == 0):
+        # every step reads the head too (a large share of a small drafter's bytes): its first rows
+        # (up to 64 MB) stand in for it, so that timing stays ~1 s however wide the vocabulary
+        n = max(16, min(hw.shape[0], (64 << 20) // (4 * hw.shape[1])))
+        part = nn.Linear(hw.shape[1], n, bias=False)
+        part.weight = nn.Parameter(hw.detach()[:n], requires_grad=False)
+        lins.append(part)
+    return lins
+
+
+INT4_PAYS = 0.8  # int4 drafts a little worse than int8 (acceptance 0.705 vs 0.740, qwen pair): it must be faster
+
+
+@torch.inference_mode()
+def int4_pays_fp32(model: nn.Module, int8_act: torch.dtype) -> bool:
+    """For an fp32 CPU model that int8 pays for (with activations ``int8_act``): whether int4 (bf16
+    activations) runs the probe layers (:func:`_probe_layers`) at 1 and 2 rows in at most ``INT4_PAYS``
+    of int8's time -- enough to pay for its less accurate drafts. Interleaved, the fastest of 5 rounds."""
+    lins = _probe_layers(model, INT4_GROUP)
+    if not lins or not available("int4"):
+        return False
+    try:
+        variants = {"int8": [Int8Linear.from_linear(m, 2, int8_act) for m in lins],
+                    "int4": [Int4Linear.from_linear(m, 2, torch.bfloat16) for m in lins]}
+    except RuntimeError:  # a layer the int4 packing refuses
+        return False
+    if not _check(variants["int4"][0]):
+        return False
+    g = torch.Generator().manual_seed(0)
+    rows = [[torch.randn(r, m.in_features, generator=g) for m in lins] for r in (1, 2)]
+    times = {k: float("inf") for k in variants}
+    for _ in range(5):
+        for k, fns in variants.items():
+            times[k] = min(times[k], sum(_best_pass(fns, xs, repeats=1) for xs in rows))
+    LAST_CHOICE.update(int4_ms=times["int4"] * 1e3, int8_probe_ms=times["int8"] * 1e3)
+    return times["int4"] <= INT4_PAYS * times["int8"]
+
+
 @torch.inference_mode()
 def choose_fp32(model: nn.Module, required: bool = False, margin: float = 0.9) -> torch.dtype | None:
     """For an fp32 CPU model: the activation dtype (fp32 or bf16) with which the int8 kernel runs
@@ -269,25 +322,7 @@ def choose_fp32(model: nn.Module, required: bool = False, margin: float = 0.9) -
     close to call)."""
     from crossdraft.models import cpulinear
 
-    head = getattr(model, "lm_head", None)
-    lins, size = [], 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if (type(m) is nn.Linear and m is not head and w.dim() == 2 and w.dtype == torch.float32
-                and w.device.type == "cpu" and w.shape[1] % 16 == 0):
-            lins.append(m)
-            size += w.numel() * 4
-            if size >= PROBE_BYTES:
-                break
-    hw = getattr(head, "weight", None)
-    if (type(head) is nn.Linear and hw is not None and hw.dim() == 2 and hw.dtype == torch.float32
-            and hw.device.type == "cpu" and hw.shape[1] % 16 == 0):
-        # every step reads the head too (a large share of a small drafter's bytes): its first rows
-        # (up to 64 MB) stand in for it, so that timing stays ~1 s however wide the vocabulary
-        n = max(16, min(hw.shape[0], (64 << 20) // (4 * hw.shape[1])))
-        part = nn.Linear(hw.shape[1], n, bias=False)
-        part.weight = nn.Parameter(hw.detach()[:n], requires_grad=False)
-        lins.append(part)
+    lins = _probe_layers(model)
     if not lins or not available():
         return torch.float32 if required else None
     g = torch.Generator().manual_seed(0)

@@ -333,3 +333,31 @@ def test_an_fp32_int8_drafter_with_packed_wide_calls_leaves_greedy_output_unchan
     assert drafted > 0 and quant.int8_calls(d.model) > before
     if cpulinear.available():  # the prompt's prefill went through the packed float weights
         assert cpulinear.packed_calls(d.model) > 0
+
+
+@pytest.mark.skipif(not quant.available("int4"), reason="this torch has no _weight_int4pack_mm_for_cpu")
+@pytest.mark.parametrize("int4_share, chosen", [(0.5, True), (1.0, False)])
+def test_an_fp32_drafter_takes_int4_only_where_it_times_well_ahead_of_int8(tok_d, monkeypatch, int4_share, chosen):
+    """The timing is replaced (this machine's numbers are not the point): int4 at half of int8's time
+    is taken, at the same time it is not (its drafts are a little worse than int8's)."""
+    lm = tiny_lm(tok_d, seed=2, hidden=64)
+
+    def timed(fns, xs, repeats=1):
+        return int4_share if isinstance(fns[0], quant.Int4Linear) else 1.0
+
+    monkeypatch.setattr(quant, "_best_pass", timed)
+    assert quant.int4_pays_fp32(lm.model, torch.bfloat16) is chosen
+
+
+@pytest.mark.skipif(not quant.available("int4"), reason="this torch has no _weight_int4pack_mm_for_cpu")
+@pytest.mark.parametrize("mode, pays, want", [("auto", True, "int4"), ("auto", False, "int8"), ("int8", True, "int8")])
+def test_loading_an_fp32_drafter_applies_the_measured_choice(tok_d, monkeypatch, mode, pays, want):
+    from crossdraft.models import loading
+
+    d = copy.deepcopy(tiny_lm(tok_d, seed=2, hidden=64))
+    monkeypatch.setattr(quant, "choose_fp32", lambda model, required=False, margin=0.9: torch.bfloat16)
+    monkeypatch.setattr(quant, "int4_pays_fp32", lambda model, act: pays)
+    got, act = loading._quantize(d.model, mode)
+    assert (got, act) == (want, torch.bfloat16)
+    kinds = {type(m) for m in d.model.modules() if isinstance(m, quant.Int8Linear)}
+    assert kinds == {quant.Int4Linear if want == "int4" else quant.Int8Linear}
