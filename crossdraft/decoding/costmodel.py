@@ -383,12 +383,18 @@ class CostModel:
         """What a block of n drafted tokens costs, in target decoding steps, if none of it is accepted:
         the drafter forward that feeds the `feed` tokens it has not seen and proposes the first
         token, the steps for the rest of the block (more steps per token in text mode), and the
-        verification that much longer."""
+        verification that much longer.
+
+        The block's steps batch with the other drafting sessions' (``dstep``); the feed beyond its first
+        token does not: a prefill of many tokens is compute-bound (16 sessions feeding their prompts at
+        once cost ~16 prefills, not one step of 16 rows), so it is this session's own drafter time, and
+        on hardware shared with the verifier every session waits for it."""
         b, nd = self.load()
         share = b / nd  # (as in stop_threshold)
         sv, vb = self.scale_v, self.fwd(b, 1)
-        steps = self.dfeed(max(1, feed)) + self.steps_per_token() * n - 1.0
-        drafter = self.c * self.scale_d * self.dstep(nd) * steps * (share if self.colocated else 1.0)
+        block = self.dstep(nd) * self.steps_per_token() * n * (share if self.colocated else 1.0)
+        fed = (self.dfeed(max(1, feed)) - 1.0) * (b if self.colocated else 1.0)
+        drafter = self.c * self.scale_d * (block + fed)
         return (drafter + sv * share * max(0.0, self.vround(b, nd, n + 1) - vb)) / (sv * vb)
 
 

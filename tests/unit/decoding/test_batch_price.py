@@ -225,3 +225,31 @@ def test_a_session_the_drafter_follows_well_does_not_draft_beside_others_it_foll
 
     assert session(0.85).pays()
     assert not session(0.3).pays()
+
+
+# a CPU drafter's one-row table (ms for 1..17 tokens; past it, each token costs the last step): a prefill
+# grows with its tokens
+CPU_D = [50.0 + 8.0 * i for i in range(17)]
+
+
+def test_a_prompt_fed_to_the_drafter_costs_its_prefill_for_every_session_that_waits():
+    """A first block feeds the drafter the request's prompt in a forward of its own: a prefill does not
+    batch with the other sessions' steps like a one-token row (it is compute-bound). On hardware shared
+    with the verifier every session waits for it, so its cost grows with the sessions sharing the
+    forwards, however many draft beside it; on its own hardware only this session waits. (A burst of 16
+    new requests once priced their 16 prompt feeds as one step of 16 rows, all started drafting at
+    once, and ran at 0.63x of target-only.)"""
+    def fed(rows: float, others: float, colocated: bool) -> float:
+        p = DraftPolicy(DraftConfig(), 0.15, verify_costs=GPU_V, drafter_costs=CPU_D, measured=True)
+        p.expect_load(rows)
+        p.see_peers(others, 0.7, colocated)
+        p.see_price(FLAT)
+        # what 150 prompt tokens add to a probe, in target time (a target step at this load is fwd(b, 1))
+        return (p.probe_cost(150) - p.probe_cost(1)) * p.costs.fwd(p.costs.load()[0], 1)
+
+    alone = fed(1.0, 0.0, True)
+    assert alone > 0
+    assert fed(4.0, 3.0, True) == pytest.approx(4 * alone)
+    assert fed(16.0, 15.0, True) == pytest.approx(16 * alone)
+    assert fed(16.0, 0.0, True) == pytest.approx(16 * alone)  # (the others' drafting does not share it)
+    assert fed(16.0, 15.0, False) == pytest.approx(alone)  # the drafter on its own hardware
