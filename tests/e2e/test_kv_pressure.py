@@ -49,10 +49,16 @@ def test_full_pool_answers_429_with_retry_after_then_serves(small_pool, engine):
     http = small_pool
     prompts = [PROMPT, PROMPT.replace("one", "zero")]
     for stream in (False, True):
-        # streamed, the refusal comes before the stream begins: the same HTTP status, not 200 + an error event
-        with ThreadPoolExecutor(2) as ex:
-            rs = list(ex.map(lambda p, s=stream: _complete(http, p, s), prompts))
-        codes = sorted(r.status_code for r in rs)
+        # streamed, the refusal comes before the stream begins: the same HTTP status, not 200 + an error event.
+        # The two prefills must meet in one forward: on a machine busy with other tests the second request can
+        # reach the verifier after the first one ended (both then fit, one after the other): sent again then
+        for _ in range(3):
+            with ThreadPoolExecutor(2) as ex:
+                rs = list(ex.map(lambda p, s=stream: _complete(http, p, s), prompts))
+            codes = sorted(r.status_code for r in rs)
+            assert set(codes) <= {200, 429}, [r.text for r in rs]
+            if codes != [200, 200]:
+                break
         assert codes == [200, 429], [r.text for r in rs]
         refused = next(r for r in rs if r.status_code == 429)
         assert refused.headers["Retry-After"] == "1"
