@@ -145,7 +145,7 @@ class LoadedModel:
     revision: str = ""  # hub: the commit hash served; "" for catalog models and local paths
     quantize: str = "none"  # "int8" / "int4": the linear layers carry low-bit weights for few-row calls (models.quant)
     cpu_linear: str = "plain"  # "packed": fp32 linear layers run on oneDNN-packed weights (crossdraft.models.cpulinear)
-    quantize_act: str = ""  # int8 layers of an fp32 model: the kernel's activation dtype ("float32" / "bfloat16")
+    quantize_act: str = ""  # low-bit layers of an fp32 model: the kernel's activation dtype ("float32" / "bfloat16")
 
 
 def _weights_bytes(model: Any) -> int:
