@@ -386,10 +386,10 @@ class Decoder(Pipelining):
     def _peers(self, req: Request) -> None:
         """Measured costs: tell the request's policy what the other requests in this loop do now --
         how many draft (their next block is not empty) and their mean acceptance estimate -- and
-        whether the drafter shares the verifier's hardware. Sessions of other gateways count as
-        not drafting (the verifier's load includes them; their drafting is not known here)."""
+        whether the drafter shares the verifier's hardware (unless it keeps out: DraftPolicy.keeps_out).
+        Sessions of other gateways count as not drafting (their drafting is not known here)."""
         pol = req.policy
-        if pol is None or not pol.costs.measured:
+        if pol is None or not pol.costs.measured or pol.keeps_out():
             return
         with self._lock:
             others = [r for r in self._reqs.values() if r is not req and r.spec and r.policy is not None]
@@ -593,8 +593,8 @@ class Decoder(Pipelining):
             d.commit_text(self.pair, proposals, drafted.target_ids[:n], next_token, drafted.healed)
         elif d.commit_tli(self.pair, proposals[:n], next_token, bytes(req.out.gen_bytes), req.draft.resync_window):
             req.stats.resyncs += 1
-        self._peers(req)
         self._hold(req)
+        self._peers(req)
         req.k = req.policy.next_k(req.remaining(), d.unfed())
         if req.policy.costs.measured and drafted.target_ids:
             self._probes[req.mode] = req.policy.probe_record()

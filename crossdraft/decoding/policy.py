@@ -112,6 +112,12 @@ class DraftPolicy:
     hit_prior = (1.0, 3.0)  # 1 in 3
     hit_decay = 0.8
     probe_decay = 0.6
+    # a session the load rules out (loaded_out) drafts nothing without pricing every round: the whole
+    # pricing (some 30 block rates, and why_not's) runs again after this many rounds, or at once when the
+    # load falls by half a session or the load gate lets go (what could make drafting pay again). Under
+    # load a full pricing costs the gateway more CPU than the rest of such a round, on the path of every
+    # session's next row and on the cores the verifier computes on where they share a machine
+    recheck_every = 8
 
     def __init__(self, cfg: DraftConfig, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
                  verify_costs: list[float] | None = None, measured: bool = False,
@@ -144,6 +150,9 @@ class DraftPolicy:
         # the load gate holds drafting (crossdraft.decoding.gate: at this load, the requests sharing the
         # verifier measured more goodput target-only): rounds skip without probes until it lets go
         self.held = False
+        # while the load rules drafting out: (the load it was priced at, whether the gate held, rounds left
+        # before the next full pricing); None otherwise
+        self._out: tuple[float, bool, int] | None = None
 
     # ---- what the round loop tells the policy ------------------------------------------------------
     def observe(self, k: int, n: int) -> None:
@@ -451,6 +460,10 @@ class DraftPolicy:
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.num_draft_tokens
+        if self._still_out():  # (reason: as priced)
+            self.skipped += 1
+            self.unfed += 1
+            return 0
         best, best_rate = self._best(self.acceptance.alpha())
         need = self.costs.need()
         if self.judge:  # the probe (or first block) just verified: did it find text the drafter gets
@@ -475,6 +488,24 @@ class DraftPolicy:
         self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
         return self.hi if self.confident else best
 
+    def keeps_out(self) -> bool:
+        """Whether the next :meth:`next_k` keeps drafting nothing without a new pricing
+        (``recheck_every``): the load ruled drafting out fewer rounds ago, has not fallen by half a
+        session since, and the gate's hold is as it was (no state changes). The round loop then need
+        not tell the policy what the other sessions do."""
+        o = self._out
+        return (o is not None and o[2] > 0 and o[1] == self.held and self.costs.batch >= o[0] - 0.5
+                and not self.judge)
+
+    def _still_out(self) -> bool:
+        """:meth:`keeps_out`, counting the round."""
+        if not self.keeps_out():
+            self._out = None
+            return False
+        load, held, left = self._out
+        self._out = (load, held, left - 1)
+        return True
+
     def _skip_or_probe(self, remaining: int | None, feed: int | None) -> int:
         """Drafting does not pay now: skip the round (0), or send a probe once the wait is over."""
         cfg = self.cfg
@@ -486,6 +517,7 @@ class DraftPolicy:
             self.skipped += 1
             self.unfed += 1
             self.interval = self.wait = self.probe_every
+            self._out = (self.costs.batch, self.held, self.recheck_every - 1)
             return 0
         if self.probing:  # the probe just verified did not pay: wait longer before the next one
             self.interval = max(self.probe_pace(), min(self.max_probe_every, self.interval * 2))

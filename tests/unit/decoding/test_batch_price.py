@@ -253,3 +253,44 @@ def test_a_prompt_fed_to_the_drafter_costs_its_prefill_for_every_session_that_wa
     assert fed(16.0, 15.0, True) == pytest.approx(16 * alone)
     assert fed(16.0, 0.0, True) == pytest.approx(16 * alone)  # (the others' drafting does not share it)
     assert fed(16.0, 15.0, False) == pytest.approx(alone)  # the drafter on its own hardware
+
+
+def _count_rates(p: DraftPolicy) -> list[int]:
+    """Count the policy's block rates priced (one entry per next_k call, appended by the caller)."""
+    calls = [0]
+    rate = p.costs.rate
+
+    def counted(k, a):
+        calls[0] += 1
+        return rate(k, a)
+
+    p.costs.rate = counted
+    return calls
+
+
+def test_a_session_the_load_rules_out_is_priced_again_now_and_then_and_when_the_load_falls():
+    """Work counting: 16 sessions on a compute-bound verifier draft nothing; a session does not price
+    every block size every round to find that out again -- it re-prices every ``recheck_every`` rounds,
+    and at once when the load falls by half a session (then, alone, it drafts) or when the load gate
+    lets go."""
+    p = _policy(16, 0.9, PER_TOKEN)
+    calls = _count_rates(p)
+    priced = []
+    for _ in range(4 * p.recheck_every - 1):
+        before = calls[0]
+        assert p.next_k(remaining=1000) == 0 and p.reason == "load"
+        priced.append(calls[0] > before)
+    assert sum(priced) == 4 and priced[0]  # (the first call priced; then one in every recheck_every)
+    before = calls[0]
+    p.costs.batch = 15.7  # (less than half a session fewer: nothing that could make drafting pay)
+    assert p.next_k(remaining=1000) == 0 and calls[0] == before
+    p.costs.batch, p.costs.others = 1.0, None
+    assert p.next_k(remaining=1000) > 0 and calls[0] > before and p.reason == ""
+    # the load gate holds drafting that would pay: the session waits without pricing, until the gate lets go
+    g = _policy(16, 0.8, FLAT)
+    g.held = True
+    assert g.next_k(remaining=1000) == 0 and g.reason == "load"
+    calls = _count_rates(g)
+    assert g.next_k(remaining=1000) == 0 and calls[0] == 0
+    g.held = False
+    assert g.next_k(remaining=1000) > 0 and calls[0] > 0
