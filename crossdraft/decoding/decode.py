@@ -32,7 +32,7 @@ from crossdraft.decoding.pipeline import Pipelining
 from crossdraft.decoding.policy import DraftConfig, DraftPolicy
 from crossdraft.decoding.ports import DrafterPort, VerifierPort
 from crossdraft.decoding.request import Drafted, Request, Run
-from crossdraft.decoding.roundlog import RoundLog, round_record
+from crossdraft.decoding.roundlog import RoundLog, round_record, start_record
 from crossdraft.decoding.sampling import SamplingParams
 from crossdraft.decoding.stats import RoundEvent, Stats, draws_of
 from crossdraft.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, check_int
@@ -250,6 +250,8 @@ class Decoder(Pipelining):
                 req.k = 0
             elif self._unsettled(req):
                 req.k, pol.reason = 0, "starting"
+            else:  # (a confident block's bound at this load: DraftPolicy.block_of)
+                req.k = pol.block_of(pol.best_k()) if pol.confident else req.k
         if req.spec and req.k == 0:
             req.d.synced = False  # the drafter gets the prompt if and when the request drafts
             pol.drafter_missed(feed)  # (and a probe's cost counts that feed)
@@ -257,12 +259,7 @@ class Decoder(Pipelining):
             self._sync_drafter(req)
             req.prefill = self._prefill_beside(req)  # (pipeline.py: the target's prefill beside the first block)
         if self.log and req.spec:
-            view = pol.log_fields()
-            self.log.write({"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k,
-                            "feed": feed, "sync_s": round(time.perf_counter() - t0, 4),
-                            "running_before_sync": running0, "running": self._running,
-                            **{x: view[x] for x in ("load", "others_drafting", "alpha", "best_rate", "need",
-                                                    "odds", "probe_cost")}})
+            self.log.write(start_record(req, round_index, feed, time.perf_counter() - t0, running0, self._running))
 
     def _choose_mode(self, req: Request) -> None:
         """A speculative request: its drafting mode (text for greedy decoding across vocabularies,

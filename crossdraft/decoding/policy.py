@@ -486,7 +486,22 @@ class DraftPolicy:
         self.skipped = self.unfed = 0
         self.probing = False
         self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
-        return self.hi if self.confident else best
+        return self.block_of(best)
+
+    def best_k(self) -> int:
+        """The best-rated block size at the acceptance estimate (no state changes)."""
+        return self._best(self.acceptance.alpha())[0]
+
+    def block_of(self, best: int) -> int:
+        """The block to draft where drafting pays and ``best`` is the best-rated size. Confident blocks run
+        up to ``hi`` (the drafter's doubt ends them) for a session alone, whose verification costs about
+        the same for any block on most hardware; where sessions share the verifier's forwards (measured
+        costs, a load over 1.5) a batched forward pads every row to its longest and prices every token,
+        so a block that ran past the size it was priced at would cost every session in the forward: there
+        it stops at ``best``, earlier where the drafter doubts."""
+        if self.confident and not (self.costs.measured and self.costs.load()[0] > 1.5):
+            return self.hi
+        return best
 
     def keeps_out(self) -> bool:
         """Whether the next :meth:`next_k` keeps drafting nothing without a new pricing

@@ -96,3 +96,12 @@ def round_record(req, round_index: int, kk: int, kd: int, n: int, res, draft_s: 
     if req.gate is not None:  # the load gate's regime now (crossdraft.decoding.gate)
         rec["gate"] = "held" if req.gate.holds() else "free"
     return rec
+
+
+def start_record(req, round_index: int, feed: int, sync_s: float, running_before: int, running: int) -> dict:
+    """A speculative request's first line (crossdraft.decoding.decode.Decoder._start): its first block, the
+    drafter tokens that block's first forward feeds, the prompt's sync, and the policy's view then."""
+    view = req.policy.log_fields()
+    return {"t": round(time.time(), 4), "sid": req.sid, "start": round_index, "k": req.k, "feed": feed,
+            "sync_s": round(sync_s, 4), "running_before_sync": running_before, "running": running,
+            **{x: view[x] for x in ("load", "others_drafting", "alpha", "best_rate", "need", "odds", "probe_cost")}}

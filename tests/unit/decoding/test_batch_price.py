@@ -294,3 +294,23 @@ def test_a_session_the_load_rules_out_is_priced_again_now_and_then_and_when_the_
     assert g.next_k(remaining=1000) == 0 and calls[0] == 0
     g.held = False
     assert g.next_k(remaining=1000) > 0 and calls[0] > 0
+
+
+@pytest.mark.parametrize("price", [FLAT, Price(base_ms=29.0, row_ms=0.05, token_ms=1.0, forwards=100)])
+def test_a_confident_block_under_load_stops_at_the_size_it_was_priced_at(price):
+    """Confident blocks (the drafter's doubt ends them) run up to the upper bound for a session alone; among
+    16 sessions a batched forward pads every row to its longest, so the block's bound is the best-rated
+    size: a block that ran on would cost every session in the forward more than its pricing said."""
+    def confident(rows):
+        p = DraftPolicy(DraftConfig(), 0.15, verify_costs=GPU_V, drafter_costs=GPU_D, measured=True, confident=True)
+        p.expect_load(float(rows))
+        p.see_peers(rows - 1.0, 0.8, False)
+        p.acceptance.succ, p.acceptance.trials = 0.8, 1.0
+        p.see_price(price)
+        return p
+
+    alone, loaded = confident(1), confident(16)
+    assert alone.next_k(remaining=1000) == alone.hi
+    best = loaded.best_k()
+    assert loaded.next_k(remaining=1000) == best < loaded.hi
+    assert all(loaded.rate(best) >= loaded.rate(k) for k in range(1, loaded.hi + 1))
