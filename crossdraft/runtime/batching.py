@@ -462,7 +462,8 @@ class BatchScheduler:
         return ok
 
     def _loop(self) -> None:
-        if self.threads:
+        if self.threads:  # (read first: torch would give the thread the process-wide count on first use)
+            torch.get_num_threads()
             torch.set_num_threads(self.threads)
         while True:
             self._end_turn_unless_row()

@@ -262,6 +262,25 @@ def pin_cpus(cpus) -> tuple[int, int] | None:
     return torch.get_num_threads(), torch.get_num_interop_threads()
 
 
+def own_threads(n: int) -> None:
+    """Run this thread's torch work on ``n`` threads, whatever other threads set later. torch gives a thread
+    the process-wide count on its first use, so the thread's own count is read first and then set."""
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
+def one_thread() -> None:
+    """The gRPC handler threads of a batching server compute on one thread each (their executor's
+    initializer). Their forwards run on the scheduler's thread; what a handler computes itself
+    (sampling, the acceptance test, a drafter's logits over a vocabulary) is small. A handler with
+    threads of its own would start an OpenMP team of its own, and GNU OpenMP, once it manages more
+    threads than there are CPUs, stops spinning between parallel regions: every region of every
+    forward then waits for its threads to wake."""
+    own_threads(1)
+
+
 class Loading:
     """Holds the worker; RPCs arriving before the model is loaded get UNAVAILABLE."""
 
@@ -312,9 +331,16 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
                         format=f"%(asctime)s {kind} %(levelname)s %(message)s")
     provider = telemetry.setup_tracing(f"crossdraft-{kind}")
     tracer = telemetry.get_tracer(provider, f"crossdraft.{kind}")
+    import torch
+
+    # the threads that compute with the server's threads: the model's load (and cost timing) here, then
+    # its batched forwards on the scheduler's thread (crossdraft.runtime.batching); the handlers on one
+    # each where forwards are batched (one_thread), on the server's where each runs its own
+    n_threads = torch.get_num_threads()
     server, port, health = rpc.build_server([add_servicer], [service_name], cfg.host, cfg.port,
                                             max_workers=cfg.max_workers, tracer=tracer, tls=cfg.tls,
-                                            require_client_auth=True)
+                                            require_client_auth=True,
+                                            thread_init=one_thread if cfg.batching else None)
     server.start()
     health_server = None
     if cfg.health_port:
@@ -330,6 +356,7 @@ def serve(kind: str, cfg: ModelServerConfig, make_worker, add_servicer, service_
 
     def load():
         try:
+            own_threads(n_threads)
             loaded, worker, dtype = load_worker(kind, cfg, make_worker)
             servicer.state.worker = worker
             rpc.set_serving(health, ["", service_name], True)

@@ -293,6 +293,7 @@ def build_server(
     max_message_mb: int = 64,
     tls: Any = None,
     require_client_auth: bool = False,
+    thread_init: Callable[[], None] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A gRPC server (not started) with the servicers, health checking and reflection.
 
@@ -302,7 +303,8 @@ def build_server(
     answers on threads of its own (:class:`ProbeHealthServicer`), not behind the handlers.
     ``port`` 0 picks a free port. ``tls``: a :class:`crossdraft.serving.tls.TLSConfig` with a certificate
     serves TLS (re-reading the files when they change); with require_client_auth callers must
-    present a certificate signed by its CA. Returns (server, bound port, health servicer).
+    present a certificate signed by its CA. ``thread_init``: run on each handler thread as it starts.
+    Returns (server, bound port, health servicer).
     """
     options = _message_options(max_message_mb) + [
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
@@ -311,7 +313,7 @@ def build_server(
         ("grpc.http2.max_ping_strikes", 0),
     ]
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc", initializer=thread_init),
         interceptors=[ServerInterceptor(tracer)],
         options=options,
     )
