@@ -48,8 +48,15 @@ from crossdraft.serving.redis_server import RedisServer  # noqa: E402
 from tests.service_fixtures import free_port  # noqa: E402
 
 
-def prompts(n: int) -> list[str]:
-    """n distinct prompts: the mixed set (code, prose, SQL, Chinese) then HumanEval."""
+def prompts(n: int, cls: str = "") -> list[str]:
+    """n distinct prompts: the mixed set (code, prose, SQL, Chinese) then HumanEval; with ``cls`` only the
+    mixed set's prompts of that class (e.g. ``chinese``: text an English drafter cannot spell), at most n."""
+    if cls:
+        out = [p for c, p in MIXED_PROMPTS if c == cls]
+        if not out:
+            raise SystemExit(f"--prompt-class: no prompt of class {cls!r} "
+                             f"(classes: {', '.join(sorted({c for c, _ in MIXED_PROMPTS}))})")
+        return out[:n]
     out = [p for _, p in MIXED_PROMPTS]
     out += humaneval_prompts(max(0, n - len(out)))
     return out[:n]
@@ -390,6 +397,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--modes", default="spec,target")
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-class", default="", help="only the mixed set's prompts of this class (e.g. chinese)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=4)
@@ -408,7 +416,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-logs", default="", help="copy the services' logs (round logs included) to this folder")
     a = ap.parse_args()
-    ps = prompts(a.prompts)
+    ps = prompts(a.prompts, a.prompt_class)
     tmp = Path(tempfile.mkdtemp(prefix="crossdraft-conc-"))
     log_dir = tmp / "logs"
     log_dir.mkdir()
@@ -425,7 +433,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
-                    "prompts": len(ps), **git_commit(), "baseline": a.baseline, "unbatched": a.unbatched,
+                    "prompts": len(ps), "prompt_class": a.prompt_class, **git_commit(), "baseline": a.baseline,
+                    "unbatched": a.unbatched,
                     "seeded_sampling": not a.unseeded, "repeats": a.repeats,
                     "time": time.strftime("%Y-%m-%d %H:%M")},
            "versions": versions}

@@ -366,6 +366,8 @@ class Decoder(Pipelining):
                 req.k, pol.reason = 0, "load"
             elif req.draft.allow_skip and not pol.first_block_pays(req.remaining(), len(state.ids)):
                 req.k = 0  # as a new request's first block: only where it could pay, the drafter's sync included
+            elif pol.confident:  # (and bounded as one at this load: DraftPolicy.block_of)
+                req.k = pol.block_of(pol.best_k())
         if req.k == 0:
             pol.drafter_missed(len(state.ids))
 

@@ -612,3 +612,38 @@ def test_fixed_blocks_drafted_together_are_verified_together(eng, adaptive):
     eng.decoder.drafter, eng.decoder.verifier = drafter, verifier
     assert len(first) == 2 and len(outs) == 2 and outs[0].token_ids == outs[1].token_ids
     assert max(gangs) == (1 if adaptive else 2), gangs
+
+
+def test_a_request_moved_under_load_starts_its_confident_block_at_the_best_rated_size(eng, target, drafter, measured,
+                                                                                       monkeypatch):
+    """A pool's move to a kind whose drafter pays starts a confident block there (the drafter's doubt ends it).
+    Among 16 sessions sharing the verifier's batched forwards, where every row is padded to the longest and
+    a token costs (a published price that grows with tokens), that block is bounded by the best-rated size,
+    as a new request's first block is (DraftPolicy.block_of); alone it would run to the upper bound."""
+    from crossdraft.decoding.decode import Decoder
+    from crossdraft.runtime import costs
+    from crossdraft.runtime.price import Price
+
+    tables, vocab = measured
+    with monkeypatch.context() as mp:
+        mp.setattr(costs, "forward_ms", lambda loaded, max_tokens: list(tables[id(loaded)]))
+        other = Engine(target, drafter, vocab_cache_dir=vocab)
+    other.drafter_worker._timings = [0.01 * x for x in eng.verifier.timings()]  # a drafter that costs ~nothing
+    cheap = Decoder(other.pair, eng.verifier, other.drafter_worker, check_context=False, name="cheap")
+    cheap._load, cheap._price = 16.0, Price(base_ms=29.0, row_ms=0.05, token_ms=0.5, forwards=100)
+    seen = {}
+    move = Decoder.hand_over
+
+    def spy(self, req, to):
+        move(self, req, to)
+        seen.update(k=req.k, best=req.policy.best_k(), hi=req.policy.hi, reason=req.policy.reason)
+
+    monkeypatch.setattr(Decoder, "hand_over", spy)
+    ref = eng.generate(PROMPT, max_new_tokens=40, use_drafter=False)
+    t_ids, d_ids = eng.pair.encode_target(PROMPT), eng.pair.encode_drafter(PROMPT)
+    run = eng.decoder.run("moved-loaded", t_ids, d_ids, max_new_tokens=40, params=SamplingParams(), seed=0,
+                          draft=DraftConfig(), chooser=lambda req, ev: cheap if ev.round_index == 0 else None)
+    list(run)
+    eng.verifier.end("moved-loaded")
+    assert run.result.token_ids == ref.token_ids and run.result.stats.drafter == "cheap"
+    assert 0 < seen["k"] == seen["best"] < seen["hi"], seen
