@@ -422,3 +422,41 @@ def cost_ratio(drafter: tuple[int, int, int], target: tuple[int, int, int]) -> f
     db, drow, drows = drafter
     tb, trow, trows = target
     return (db + drow * drows) / max(1, tb + trow * trows)
+
+
+def load_band(load: float) -> int:
+    """The band of a load (the sessions sharing the forwards) whose cost corrections a new request starts
+    from: 0 alone (under 1.5), then one band per doubling (1.5-3, 3-6, 6-12, 12-24, 24 and more)."""
+    if load < 1.5:
+        return 0
+    return min(5, 1 + int(math.log2(load / 1.5)))
+
+
+class CarriedScales:
+    """The online corrections of the cost tables (DraftPolicy.scales) the latest rounds of a round loop
+    measured, per drafting mode and load band (:func:`load_band`). They change with the load: on shared
+    CPU cores a drafter step beside other sessions' verifications takes ~1.5-2.5x its time alone, and how
+    the sessions' rows batch is only measured under load. Carried as one value, the corrections of a
+    quiet spell priced the first requests of the next busy one as if alone (each such wave drafted at a
+    loss until its own rounds corrected it); per band a request starts from what was measured at about
+    its load, else from the nearest band measured (the busier on a tie: a price too high delays drafting,
+    one too low drafts at a loss for every session in the forward)."""
+
+    def __init__(self):
+        self._by: dict[tuple[str, int], tuple] = {}
+
+    def put(self, mode: str, load: float, scales: tuple) -> None:
+        self._by[(mode, load_band(load))] = scales
+
+    def get(self, mode: str, load: float) -> tuple | None:
+        band = load_band(load)
+        have = [b for m, b in list(self._by) if m == mode]
+        if not have:
+            return None
+        return self._by.get((mode, min(have, key=lambda b: (abs(b - band), -b))))
+
+    def values(self) -> list[tuple]:
+        return list(self._by.values())
+
+    def clear(self) -> None:
+        self._by.clear()

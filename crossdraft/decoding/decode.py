@@ -22,7 +22,7 @@ from contextlib import nullcontext, suppress
 
 import numpy as np
 
-from crossdraft.decoding.costmodel import cost_ratio
+from crossdraft.decoding.costmodel import CarriedScales, cost_ratio
 from crossdraft.decoding.drafter_view import DrafterState, block_in_target_ids, encode_drafter_bytes
 from crossdraft.decoding.gang import Gang
 from crossdraft.decoding.gate import LoadGate
@@ -72,8 +72,8 @@ class Decoder(Pipelining):
         self.pipeline = bool(pipeline)
         self.branch = bool(branch)  # and (greedy TLI) a branch beside the block ahead (pipeline.Branch)
         self._lock = threading.Lock()
-        # the cost scales per drafting mode as the latest rounds corrected them (a new request starts there)
-        self._scales: dict[str, tuple] = {}  # (DraftPolicy.scales)
+        # the cost scales the latest rounds corrected, per drafting mode and load band (a new request starts there)
+        self._scales = CarriedScales()
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.probe_record):
         # a pair's drafter gets text right more or less often
         self._probes: dict[str, tuple[float, float, float, float]] = {}
@@ -128,7 +128,7 @@ class Decoder(Pipelining):
         pol = DraftPolicy(draft, c, verify_costs=vt, measured=vt is not None, drafter_costs=dt, confident=confident)
         pol.costs.pipelined = self.pipeline
         if pol.costs.measured:
-            pol.resume(self._scales.get(mode), self._probes.get(mode))
+            pol.resume(self._scales.get(mode, max(self._load, float(self._running))), self._probes.get(mode))
             pol.see_price(self._price, self._dprice)
         return pol, step_s
 
@@ -583,7 +583,7 @@ class Decoder(Pipelining):
         drop = ahead.on_path_s() if ahead is not None and following is None else None
         pol.observe_time(steps, dsec, kd + 1, vsec, req.step_s, ahead is not None, drop)
         if pol.costs.measured:
-            self._scales[req.mode] = pol.scales()
+            self._scales.put(req.mode, pol.costs.batch, pol.scales())
 
     def _next_block(self, req: Request, drafted: Drafted, n: int, next_token: int) -> None:
         """Record the drafter's edit (what the round accepted, in drafter ids) and choose the next k."""

@@ -283,7 +283,7 @@ def test_drafted_blocks_verified_apart_from_the_load_are_learnt_and_carried(clos
     """A verifier that reports 4 sessions sharing its forwards but verifies each drafted block in a forward
     of its own (1 row): the round loop learns that drafted verifications share their forwards with a
     quarter of the load (CostModel.sharing, priced in everyone-drafting rounds), and the decoder carries
-    it to the next request of the mode."""
+    it to the next request of the mode at that load."""
     import dataclasses
 
     monkeypatch.setenv("CROSSDRAFT_COST_PROFILE", "measure")
@@ -296,8 +296,14 @@ def test_drafted_blocks_verified_apart_from_the_load_are_learnt_and_carried(clos
     eng.decoder.verifier = Apart(eng.verifier)
     out = _gen(eng, PROMPTS[0], False)
     assert out.stats.cost_model == "measured" and out.stats.drafted > 0
-    carried = [s[4] for s in eng.decoder._scales.values()]
-    assert carried and all(x < 0.4 for x in carried)
+    busy = eng.decoder._scales.get(out.stats.draft_mode, 4.0)
+    assert busy is not None and busy[4] < 0.4
+    # carried per load band: a request alone afterwards records its own corrections beside them
+    eng.decoder.verifier = Counting(eng.verifier)
+    alone = _gen(eng, PROMPTS[0], False)
+    assert alone.stats.draft_mode == out.stats.draft_mode
+    assert eng.decoder._scales.get(out.stats.draft_mode, 4.0) is busy
+    assert eng.decoder._scales.get(out.stats.draft_mode, 1.0) is not busy
 
 
 def test_a_verifier_without_drop_last_is_resynced(close):
