@@ -436,11 +436,11 @@ class CarriedScales:
     """The online corrections of the cost tables (DraftPolicy.scales) the latest rounds of a round loop
     measured, per drafting mode and load band (:func:`load_band`). They change with the load: on shared
     CPU cores a drafter step beside other sessions' verifications takes ~1.5-2.5x its time alone, and how
-    the sessions' rows batch is only measured under load. Carried as one value, the corrections of a
-    quiet spell priced the first requests of the next busy one as if alone (each such wave drafted at a
-    loss until its own rounds corrected it); per band a request starts from what was measured at about
-    its load, else from the nearest band measured (the busier on a tie: a price too high delays drafting,
-    one too low drafts at a loss for every session in the forward)."""
+    the sessions' rows batch is only measured under load. Carried as one value, a quiet spell's
+    corrections would price the next busy spell's first requests with a drafter step's time alone; per
+    band a request starts from what was measured at about its load, else from the nearest band measured
+    (the busier on a tie: a price too high delays drafting, one too low drafts at a loss for every session
+    in the forward). A load never measured starts from the nearest band's, alone included."""
 
     def __init__(self):
         self._by: dict[tuple[str, int], tuple] = {}
