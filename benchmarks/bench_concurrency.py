@@ -5,8 +5,9 @@ per code version: this checkout (batched model servers) and, with ``--baseline R
 an earlier commit checked out into a git worktree (e.g. the last commit before batching), in the
 same run, on the same machine, with the same prompts. For each version, mode (speculative /
 target-only), temperature and number of clients, N client threads send requests (16+ distinct code
-and prose prompts, round robin) and the run reports completion tokens per second over the wall
-time of the point, and the p50 / p95 request latency.
+and prose prompts, round robin; ``--prompt-class chinese --prompts 1`` sends only the mixed set's first
+Chinese prompt, text an English drafter cannot spell) and the run reports completion tokens per second
+over the wall time of the point, and the p50 / p95 request latency.
 
 Greedy fidelity: every greedy request's text is compared with the same prompt's text from the
 1-client point of the same version and mode (a batch of one): batching must not change a token.
@@ -16,7 +17,7 @@ Writes ``<out>/<tag>.json`` (with the measured commit) and, if matplotlib is imp
 
 Usage: python benchmarks/bench_concurrency.py [--target gemma3-270m] [--drafter smollm2-135m]
        [--clients 1,2,4,8,16,32] [--temperatures 0,0.7] [--modes spec,target] [--max-new-tokens 64]
-       [--baseline 44fe2e0] [--tag NAME]
+       [--prompt-class chinese] [--baseline 44fe2e0] [--tag NAME]
 """
 
 from __future__ import annotations
