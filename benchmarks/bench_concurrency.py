@@ -59,7 +59,8 @@ def prompts(n: int, cls: str = "") -> list[str]:
                              f"(classes: {', '.join(sorted({c for c, _ in MIXED_PROMPTS}))})")
         return out[:n]
     out = [p for _, p in MIXED_PROMPTS]
-    out += humaneval_prompts(max(0, n - len(out)))
+    if n > len(out):
+        out += humaneval_prompts(n - len(out))
     return out[:n]
 
 
@@ -201,7 +202,7 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
     rows0 = batch_rows(metrics or {})
     barrier.wait()
     cpu0 = cpu_now(procs)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     for t in ts:
         t.join()
     wall = time.perf_counter() - t0
@@ -217,7 +218,9 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
     def pct(q):
         return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
 
+    # (when, in epoch seconds: samples taken beside a run -- a server's /proc, a round log -- split by point)
     return {"clients": clients, "requests": n_req, "failed": n_req - len(ok), "wall_s": wall, "tokens": tokens,
+            "started_at": round(started, 3), "ended_at": round(started + wall, 3),
             "tokens_per_s": tokens / wall if wall > 0 else 0.0, "p50_latency_s": pct(0.5), "p95_latency_s": pct(0.95),
             "mean_latency_s": statistics.mean(lat) if lat else 0.0,
             "acceptance": sum(r["accepted"] for r in ok) / drafted if drafted else 0.0,
@@ -278,6 +281,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                         p["repeat_tokens_per_s"] = [round(x["tokens_per_s"], 3) for x in runs]
                         p["repeat_cpu_ms_per_token"] = [x.get("cpu_ms_per_token") for x in runs]
                         p["repeat_rows_per_forward"] = [x.get("rows_per_forward") for x in runs]
+                        p["repeat_spans"] = [(x["started_at"], x["ended_at"]) for x in runs]
                     if mode == "spec" and "target" in reps:
                         pairs = zip(runs, reps["target"], strict=True)
                         p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
