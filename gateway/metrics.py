@@ -161,7 +161,7 @@ def stats_dict(stats) -> dict:
         "acceptance_by_position": d["acceptance_by_position"], "resyncs": d["resyncs"],
         "skipped_rounds": d["skipped_rounds"], "pipelined_blocks": d["pipelined_blocks"],
         "dropped_blocks": d["dropped_blocks"], "branches": d["branches"], "branch_blocks": d["branch_blocks"],
-        "caught_up": d["caught_up"], "drafter_fallback": d["drafter_fallback"],
+        "caught_up": d["caught_up"], "elided": d["elided"], "drafter_fallback": d["drafter_fallback"],
         "fallback_reason": d["fallback_reason"], "prefill_ms": d["prefill_s"] * 1e3, "draft_ms": d["draft_s"] * 1e3,
         "verify_ms": d["verify_s"] * 1e3, "draft_queue_ms": d["draft_queue_s"] * 1e3,
         "verify_queue_ms": d["verify_queue_s"] * 1e3, "overhead_ms": d["overhead_s"] * 1e3,
@@ -175,8 +175,8 @@ def add_stats(total: dict, s: dict) -> dict:
     """Stats of two runs added up (counts and times summed, acceptance recomputed)."""
     out = dict(total)
     for k in ("rounds", "drafted", "accepted", "resyncs", "skipped_rounds", "pipelined_blocks", "dropped_blocks",
-              "branches", "branch_blocks", "caught_up", "prefill_ms", "draft_ms", "verify_ms", "draft_queue_ms",
-              "verify_queue_ms",
+              "branches", "branch_blocks", "caught_up", "elided", "prefill_ms", "draft_ms", "verify_ms",
+              "draft_queue_ms", "verify_queue_ms",
               "overhead_ms", "total_ms", "reused_target_tokens", "reused_drafter_tokens", "drafter_switches"):
         out[k] = out.get(k, 0) + s.get(k, 0)
     out["acceptance_rate"] = out["accepted"] / out["drafted"] if out.get("drafted") else 0.0

@@ -49,6 +49,10 @@ class CostModel:
     # while another process computed on the same cores (such a table can be off by more than 20x)
     max_scale = 50.0
     price_forwards = 8  # forwards a server's published price must be fitted from before it prices rows
+    # a catch-up feeds the drafter what it missed where that costs at most this share of a target decoding
+    # step, else only the latest tokens that do, and never fewer than min_feed_window (feed_window)
+    feed_share = 0.25
+    min_feed_window = 16
     overlap_relax = 0.97  # per serial drafting round, what pipelined rounds measured (scale_o) keeps of its excess
 
     def __init__(self, cost_ratio: float = 0.2, verify_slope: float = 0.03, *,
@@ -168,6 +172,26 @@ class CostModel:
         if not self.measured:
             return True
         return self.c * self.scale_d * self.dfeed(n) <= self.scale_v * self.fwd(self.load()[0], 1)
+
+    def feed_window(self, n: int) -> int:
+        """How many of the ``n`` tokens a drafter missed while rounds drafted nothing it is fed before it
+        drafts again (measured costs; static ones: all): all of them where that forward costs at most
+        ``feed_share`` of a target decoding step, else the latest ones that do, at least
+        ``min_feed_window`` (DrafterState.elide cuts the rest). A catch-up is drafter time on the probe's
+        path, and it grows with the rounds skipped: fed whole, a drafter that never pays (an English one
+        on Chinese text: 2-3 drafter tokens a target token) would take in the whole output anyway, a
+        few percent of the target's time however rare the probes; the recent text is most of what
+        drafting the next tokens needs."""
+        if not self.measured or n <= self.min_feed_window:
+            return n
+        budget = self.feed_share * self.scale_v * self.fwd(self.load()[0], 1) / (self.c * self.scale_d)
+        if self.dfeed(n) <= budget:
+            return n
+        lo, hi = self.min_feed_window, n  # the largest m in [lo, n) whose feed fits (dfeed grows with m)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.dfeed(mid) <= budget else (lo, mid)
+        return lo
 
     def steps_per_token(self) -> float:
         """Drafter steps one drafted target token costs (exponentially weighted; 1 until observed)."""

@@ -513,6 +513,7 @@ class Decoder(Pipelining):
             return Drafted([], [], None, 0.0)
         t0 = time.perf_counter()
         toks: list = []
+        req.stats.elided += req.d.elide(req.policy.costs.feed_window)  # (the latest of what it missed)
         if not req.d.synced:
             self._sync_drafter(req)
             if not req.spec:  # the drafter failed: the request goes on target-only
@@ -594,6 +595,6 @@ class Decoder(Pipelining):
             req.stats.resyncs += 1
         self._hold(req)
         self._peers(req)
-        req.k = req.policy.next_k(req.remaining(), d.unfed())
+        req.k = req.policy.next_k(req.remaining(), d.feed(req.policy.costs.feed_window))
         if req.policy.costs.measured and drafted.target_ids:
             self._probes[req.mode] = req.policy.probe_record()

@@ -72,6 +72,35 @@ class DrafterState:
         session, else what it does not hold yet."""
         return len(self.ids) if not self.synced else len(self.ids) - self.sent
 
+    def gen_unfed(self) -> int:
+        """The generated ids the drafter does not hold (those a catch-up may elide, :meth:`elide`)."""
+        return max(0, len(self.ids) - max(self.sent if self.synced else 0, self.prompt_len))
+
+    def feed(self, window) -> int:
+        """What the next Draft (or sync) would feed the drafter once :meth:`elide` kept the latest
+        ``window(n)`` of the ``n`` generated ids it missed."""
+        g = self.gen_unfed()
+        return self.unfed() - g + (min(g, window(g)) if g else 0)
+
+    def elide(self, window) -> int:
+        """Cut the generated ids the drafter missed to their latest ``window(n)`` (at least 2) of n: the
+        drafter then drafts from a history with a gap (its prompt and what it held, then the recent
+        text), which changes its proposals, never the output (the target verifies them). The first id
+        kept after the gap carries the gap's bytes in ``gen_lens``, so byte offsets into the generated
+        text stay exact (:meth:`resync`, which re-encodes the gap where it cuts before that id). Returns
+        how many ids were cut."""
+        g = self.gen_unfed()
+        keep = max(2, int(window(g))) if g else 0
+        if g <= keep:
+            return 0
+        lo = len(self.ids) - g
+        cut = len(self.ids) - keep
+        g0, g1 = lo - self.prompt_len, cut - self.prompt_len
+        gap = sum(self.gen_lens[g0:g1])
+        del self.ids[lo:cut], self.gen_lens[g0:g1]
+        self.gen_lens[g0] += gap
+        return cut - lo
+
     def drop_healed(self, pair: TokenPair) -> bytes:
         """Token healing: the drafter dropped its last id (its block re-chooses it); so does this view.
         Returns that id's bytes, which the block spells first."""

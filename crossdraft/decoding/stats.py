@@ -39,6 +39,9 @@ class Stats:
     # (pipelined) rounds that drafted nothing during whose verification the drafter was fed what it had
     # missed, before a probe (crossdraft.decoding.pipeline.CatchUp)
     caught_up: int = 0
+    # generated drafter tokens a catch-up did not feed: a drafter that missed many drafts from the latest
+    # of them (CostModel.feed_window, DrafterState.elide)
+    elided: int = 0
     cost_model: str = ""  # where the draft-length policy took its costs from: "measured" or "static"
     # how each token was chosen: "greedy" (argmax), "coupled" (a function of (seed, position): the same
     # text with or without a drafter) or "rejection" (the classic accept/resample rule)
