@@ -17,7 +17,8 @@ Writes ``<out>/<tag>.json`` (with the measured commit) and, if matplotlib is imp
 
 Usage: python benchmarks/bench_concurrency.py [--target gemma3-270m] [--drafter smollm2-135m]
        [--clients 1,2,4,8,16,32] [--temperatures 0,0.7] [--modes spec,target] [--max-new-tokens 64]
-       [--prompt-class chinese] [--baseline 44fe2e0] [--tag NAME]
+       [--prompt-class chinese] [--dtype float32] [--target-dtype T] [--drafter-dtype D]
+       [--baseline 44fe2e0] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -90,13 +91,15 @@ class Stack:
         dp, vp, hp, gp = free_port(), free_port(), free_port(), free_port()
         # the model servers' /metrics: how many sessions each batched forward served
         self.metrics = {"verifier": free_port()} | ({"drafter": free_port()} if a.drafter else {})
-        common = ["--host", "127.0.0.1", "--dtype", a.dtype, "--max-sessions", "128"] + extra_model_args
+        common = ["--host", "127.0.0.1", "--max-sessions", "128"] + extra_model_args
         if a.drafter:
             self.procs.append(Service(code, "drafter", ["drafter", "--model", a.drafter, "--port", str(dp),
-                                                        "--metrics-port", str(self.metrics["drafter"])] + common,
+                                                        "--metrics-port", str(self.metrics["drafter"]),
+                                                        "--dtype", a.drafter_dtype or a.dtype] + common,
                                       log_dir, a.threads))
         self.procs.append(Service(code, "verifier", ["verifier", "--model", a.target, "--port", str(vp),
-                                                     "--metrics-port", str(self.metrics["verifier"])] + common,
+                                                     "--metrics-port", str(self.metrics["verifier"]),
+                                                     "--dtype", a.target_dtype or a.dtype] + common,
                                   log_dir, a.threads))
         gw = ["gateway", "--verifier", f"127.0.0.1:{vp}", "--redis-url", self.redis.url, "--host", "127.0.0.1",
               "--http-port", str(hp), "--grpc-port", str(gp),
@@ -385,7 +388,9 @@ def plot(res: dict, path: Path) -> bool:
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("aggregate completion tokens/s")
     m = res["meta"]
-    ax.set_title(f"{m['drafter']} -> {m['target']} ({m['dtype']}, {m['cpu']})", fontsize=9)
+    dt = m.get("target_dtype", m["dtype"]), m.get("drafter_dtype", m["dtype"])
+    dtypes = dt[0] if dt[0] == dt[1] else f"target {dt[0]}, drafter {dt[1]}"
+    ax.set_title(f"{m['drafter']} -> {m['target']} ({dtypes}, {m['cpu']})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -397,7 +402,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="gemma3-270m")
     ap.add_argument("--drafter", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="both models' dtype (unless one of the two below is given)")
+    ap.add_argument("--target-dtype", default="", help="the verifier's dtype (as crossdraft up --target-dtype)")
+    ap.add_argument("--drafter-dtype", default="", help="the drafter's dtype (as crossdraft up --drafter-dtype)")
     ap.add_argument("--clients", default="1,2,4,8,16,32")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--modes", default="spec,target")
@@ -437,6 +444,7 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
+                    "target_dtype": a.target_dtype or a.dtype, "drafter_dtype": a.drafter_dtype or a.dtype,
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
                     "prompts": len(ps), "prompt_class": a.prompt_class, **git_commit(), "baseline": a.baseline,
                     "unbatched": a.unbatched,
