@@ -147,7 +147,6 @@ class DraftPolicy:
         # verify_round span and the gateway's counters carry it
         self.reason = ""
         self.whole = False  # (and it was accepted in full)
-        self.found = False  # (and the target accepted at least one of its drafts)
         # the load gate holds drafting (crossdraft.decoding.gate: at this load, the requests sharing the
         # verifier measured more goodput target-only): rounds skip without probes until it lets go
         self.held = False
@@ -164,7 +163,7 @@ class DraftPolicy:
         # the probes at their fastest pace there, slower than target-only
         whole = n == k and k >= min(2, self.hi)
         if k > 0 and (self.probing or self.first):
-            self.judge, self.whole, self.found = True, whole, n > 0
+            self.judge, self.whole = True, whole
             if n < k:  # (a probe accepted in full lost nothing)
                 d = self.probe_decay
                 self.probe_sum = d * self.probe_sum + k
@@ -468,12 +467,9 @@ class DraftPolicy:
         best, best_rate = self._best(self.acceptance.alpha())
         need = self.costs.need()
         if self.judge:  # the probe (or first block) just verified: did it find text the drafter gets
-            self.judge = False  # right (accepted in full), or text where drafting pays? (A probe of which
-            # nothing was accepted found neither, whatever the acceptance estimate still rates after it: one
-            # rejection moves the estimate from its prior only so far, and scoring such a probe a hit would
-            # keep a drafter that never pays probing at its fastest pace)
+            self.judge = False  # right (accepted in full), or text where drafting pays?
             d = self.hit_decay
-            self.hit_s = d * self.hit_s + (1.0 if self.whole or (self.found and best_rate >= need) else 0.0)
+            self.hit_s = d * self.hit_s + (1.0 if self.whole or best_rate >= need else 0.0)
             self.hit_n = d * self.hit_n + 1.0
         if cfg.allow_skip and (best_rate < need or self.held):
             k = self._skip_or_probe(remaining, feed)
