@@ -30,15 +30,9 @@ class AcceptanceModel:
 
     def __init__(self) -> None:
         self.succ, self.trials = 1.2, 2.0  # prior alpha = 0.6
-        self.hits = 0  # drafts accepted since the estimate (re)started
 
     def alpha(self) -> float:
         return clamp_alpha(self.succ / self.trials)
-
-    def accepted_any(self) -> bool:
-        """Whether a draft was accepted since the estimate (re)started: before that, alpha is its prior
-        and whatever it rates is no evidence that the drafter follows this text."""
-        return self.hits > 0
 
     def observe(self, k: int, n: int) -> None:
         """A block of k drafts, n of them accepted (nothing to learn from k = 0)."""
@@ -46,9 +40,8 @@ class AcceptanceModel:
             d = self.decay
             self.succ = d * self.succ + n
             self.trials = d * self.trials + n + (1 if n < k else 0)
-            self.hits += n
 
     def restart(self) -> None:
         """A probe starts: the text may have changed since alpha was last measured, so the probe's own
         outcome dominates (a light, pessimistic prior of weight 1) instead of nudging a stale estimate."""
-        self.succ, self.trials, self.hits = 0.3, 1.0, 0
+        self.succ, self.trials = 0.3, 1.0

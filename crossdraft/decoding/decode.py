@@ -76,7 +76,7 @@ class Decoder(Pipelining):
         self._scales = CarriedScales()
         # and how often probes found text that pays, what a failed one drafted (DraftPolicy.probe_record):
         # a pair's drafter gets text right more or less often
-        self._probes: dict[str, tuple] = {}
+        self._probes: dict[str, tuple[float, float, float, float]] = {}
         # the verifier's and the drafter's latest published prices of a batched forward (crossdraft.runtime.price):
         # a new request prices rows with them before its own rounds report any
         self._price = self._dprice = None

@@ -217,27 +217,19 @@ class DraftPolicy:
         c = self.costs
         return c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing, c.dsharing
 
-    def probe_record(self) -> tuple[float, float, float, float, int]:
-        """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted, and the
-        probes' interval now."""
-        return self.hit_s, self.hit_n, self.probe_sum, self.probe_n, self.interval
+    def probe_record(self) -> tuple[float, float, float, float]:
+        """The probes' record: (hits, probes, drafted by failed probes, failed probes), all weighted."""
+        return self.hit_s, self.hit_n, self.probe_sum, self.probe_n
 
     def resume(self, scales: tuple[float, float] | None = None,
-               record: tuple | None = None) -> None:
+               record: tuple[float, float, float, float] | None = None) -> None:
         """Start from what the latest requests of the same pair learnt: the cost corrections, and the
-        probes' record (relaxed toward the prior, :meth:`relax_record`) and half their interval: a request
-        of text the drafter cannot follow ends with its probes backed off (6 -> 12 -> 24 -> 48 rounds), and
-        restarting every request at the fastest pace would send the same failed probes each time (each a
-        catch-up, a drafter step and a longer verification); halved, a pace carried from a stretch of
-        such text comes back to the fastest within a few requests of text that pays (where drafting pays
-        the interval is back at ``probe_every``, and that is what such a request carries on)."""
+        probes' record (relaxed toward the prior, :meth:`relax_record`)."""
         if scales is not None:
             c = self.costs
             c.scale_d, c.scale_v, c.scale_o, c.drop_wait, c.sharing, c.dsharing = (*scales, 1.0, 0.0, 1.0, 1.0)[:6]
         if record is not None:
-            self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record[:4]
-            if len(record) > 4:
-                self.interval = self.wait = max(self.probe_every, int(record[4]) // 2)
+            self.hit_s, self.hit_n, self.probe_sum, self.probe_n = record
             self.relax_record()
 
     def log_fields(self) -> dict:
@@ -449,7 +441,7 @@ class DraftPolicy:
             # not win back the first block's cost, the drafter's prefill of the prompt included (a
             # session's later requests find most of it cached); the policy probes later if the request
             # is long enough
-            self.interval = self.wait = max(self.interval, self.probe_pace())
+            self.interval = self.wait = self.probe_pace()
             self.reason = "short"
             return False
         return True
@@ -493,8 +485,7 @@ class DraftPolicy:
             return 0
         self.skipped = self.unfed = 0
         self.probing = False
-        if self.acceptance.accepted_any():  # drafting pays on text it got right: when it stops, probe at the
-            self.interval = self.wait = self.probe_every  # usual pace (not where only the prior says it pays)
+        self.interval = self.wait = self.probe_every  # drafting pays: when it stops, probe at the usual pace
         return self.block_of(best)
 
     def best_k(self) -> int:

@@ -747,25 +747,3 @@ def test_a_fixed_block_size_is_kept_whatever_the_acceptance_or_costs():
         for a in (ALPHAS[0], ALPHAS[-1]):
             assert _chosen(pair, a, DraftConfig(adaptive=False, num_draft_tokens=7)) == 7
             assert _chosen((5.0, *pair[1:]), a, DraftConfig(adaptive=False, num_draft_tokens=7)) == 7
-
-
-def test_a_request_starts_its_probes_at_half_the_pace_the_last_one_ended_with():
-    """The probes' interval is part of the record a request hands the next one (DraftPolicy.probe_record),
-    halved: after a request whose probes backed off to 48 rounds, the next one's first probe after its
-    first block waits 24 rounds, not 6; a request that ended drafting (interval back at probe_every)
-    leaves the next one the fastest pace. Same record otherwise, same acceptance (never)."""
-    def drafted_rounds(carried):
-        p = DraftPolicy(DraftConfig(), 0.3, verify_costs=FLAT_TABLE, measured=True)
-        p.resume(None, (*DraftPolicy.hit_prior, 3.0, 1.0, carried))
-        return [i for i, k in enumerate(_run_left(p, 200, lambda k: 0)) if k > 0], p.probe_record()[4]
-
-    fast, end_fast = drafted_rounds(DraftPolicy.probe_every)
-    slow, end_slow = drafted_rounds(48)
-    assert fast[0] == slow[0] == 0  # (the first block)
-    def gaps(rounds):
-        return [b - a for a, b in zip(rounds, rounds[1:], strict=False)]
-
-    assert max(gaps(slow)[:2]) >= 24 > max(gaps(fast)[:2])
-    assert len(slow) < len(fast)
-    # what each request hands on: its probes backed off on text the drafter never gets right
-    assert end_fast >= 24 and end_slow >= 24
