@@ -76,11 +76,17 @@ class DrafterState:
         """The generated ids the drafter does not hold (those a catch-up may elide, :meth:`elide`)."""
         return max(0, len(self.ids) - max(self.sent if self.synced else 0, self.prompt_len))
 
+    def _kept(self, window) -> tuple[int, int]:
+        """(n, kept): the generated ids the drafter missed, and how many of the latest of them a catch-up
+        feeds -- ``window(n)``, at least 2, at most n."""
+        g = self.gen_unfed()
+        return g, min(g, max(2, int(window(g))))
+
     def feed(self, window) -> int:
         """What the next Draft (or sync) would feed the drafter once :meth:`elide` kept the latest
         ``window(n)`` of the ``n`` generated ids it missed."""
-        g = self.gen_unfed()
-        return self.unfed() - g + (min(g, window(g)) if g else 0)
+        g, keep = self._kept(window)
+        return self.unfed() - g + keep
 
     def elide(self, window) -> int:
         """Cut the generated ids the drafter missed to their latest ``window(n)`` (at least 2) of n: the
@@ -89,8 +95,7 @@ class DrafterState:
         kept after the gap carries the gap's bytes in ``gen_lens``, so byte offsets into the generated
         text stay exact (:meth:`resync`, which re-encodes the gap where it cuts before that id). Returns
         how many ids were cut."""
-        g = self.gen_unfed()
-        keep = max(2, int(window(g))) if g else 0
+        g, keep = self._kept(window)
         if g <= keep:
             return 0
         lo = len(self.ids) - g
