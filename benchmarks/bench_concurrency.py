@@ -163,9 +163,17 @@ def cpu_now(procs: dict[str, int]) -> dict[str, float]:
     return {name: cpu_seconds(pid) for name, pid in procs.items()}
 
 
-def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool, seed: int) -> dict:
+def mode_body(mode: str) -> dict:
+    """The request fields of a mode: ``spec`` (the gateway's chooser), ``target`` (no drafter), ``fixedK``
+    (blocks of exactly K drafts every round, ``adaptive_draft`` off: what a fixed-length engine does)."""
+    if mode.startswith("fixed"):
+        return {"use_drafter": True, "num_draft_tokens": int(mode[5:]), "adaptive_draft": False}
+    return {"use_drafter": mode == "spec"}
+
+
+def one_request(url: str, prompt: str, a, temperature: float, mode: str, seed: int) -> dict:
     body = {"prompt": prompt, "max_tokens": a.max_new_tokens, "temperature": temperature, "seed": seed,
-            "use_drafter": use_drafter}
+            **mode_body(mode)}
     if a.unseeded and temperature > 0:  # no seed: the gateway prices drafting like greedy (gateway.job.draft_config)
         del body["seed"]
     t0 = time.perf_counter()
@@ -179,7 +187,7 @@ def one_request(url: str, prompt: str, a, temperature: float, use_drafter: bool,
             "rounds": st.get("rounds", 0), "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0)}
 
 
-def point(url: str, ps: list[str], a, clients: int, temperature: float, use_drafter: bool,
+def point(url: str, ps: list[str], a, clients: int, temperature: float, mode: str,
           procs: dict[str, int] | None = None, metrics: dict[str, int] | None = None) -> dict:
     """`clients` threads; request i (prompt i % len(ps)) goes to thread i % clients; all start together.
 
@@ -196,7 +204,7 @@ def point(url: str, ps: list[str], a, clients: int, temperature: float, use_draf
     def client(c):
         barrier.wait()
         for i in jobs[c]:
-            results[i] = one_request(url, ps[i % len(ps)], a, temperature, use_drafter, seed=i)
+            results[i] = one_request(url, ps[i % len(ps)], a, temperature, mode, seed=i)
 
     ts = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in ts:
@@ -264,7 +272,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
     stack = Stack(code, a, logs, extra)
     out = {"label": label, "code": str(code), "points": []}
     try:
-        one_request(stack.url, "def warm_up(x):\n", a, 0.0, True, 0)  # load, time the costs, JIT paths
+        one_request(stack.url, "def warm_up(x):\n", a, 0.0, "spec", 0)  # load, time the costs, JIT paths
         modes = [m for m in (modes_list or a.modes).split(",") if m and (m != "spec" or a.drafter)]
         alone: dict[tuple, dict] = {}  # (mode, temperature) -> texts at the first client count
         for temperature in [float(x) for x in a.temperatures.split(",")]:
@@ -274,7 +282,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                 reps: dict[str, list[dict]] = {m: [] for m in modes}
                 for rep in range(a.repeats):
                     for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                        reps[mode].append(point(stack.url, ps, a, clients, temperature, mode == "spec",
+                        reps[mode].append(point(stack.url, ps, a, clients, temperature, mode,
                                                 stack.pids(), stack.metrics))
                 for mode in modes:
                     runs = reps[mode]
@@ -285,7 +293,7 @@ def run_version(label: str, code: Path, a, ps: list[str], log_dir: Path, extra: 
                         p["repeat_cpu_ms_per_token"] = [x.get("cpu_ms_per_token") for x in runs]
                         p["repeat_rows_per_forward"] = [x.get("rows_per_forward") for x in runs]
                         p["repeat_spans"] = [(x["started_at"], x["ended_at"]) for x in runs]
-                    if mode == "spec" and "target" in reps:
+                    if mode != "target" and "target" in reps:
                         pairs = zip(runs, reps["target"], strict=True)
                         p["paired_spec_target"] = [round(x["tokens_per_s"] / y["tokens_per_s"], 3)
                                                    for x, y in pairs if y["tokens_per_s"]]

@@ -94,7 +94,7 @@ def stats_of(url: str, prompt: str, a, temperature: float, use_drafter: bool) ->
 
 def run_point(urls: dict, mode: str, ps: list[str], a, clients: int, temperature: float) -> dict:
     use = mode != "target-only"
-    p = point(urls[mode], ps, a, clients, temperature, use)
+    p = point(urls[mode], ps, a, clients, temperature, "spec" if use else "target")
     # the rounds' own numbers, from one more request per prompt at one client (not timed)
     st = [stats_of(urls[mode], q, a, temperature, use) for q in ps[: a.stats_prompts]]
     rounds = sum(x.get("rounds", 0) for x in st)
