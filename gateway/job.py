@@ -68,7 +68,7 @@ class Job:
         self._lease_renewed = time.monotonic()
         self.sid = None
         self.d_key, self.d_kind = "drafter", None  # the drafter kind (placement key, DrafterKind) the job drafts with
-        self.pool: PoolChoice | None = None  # the choice among a pool of drafter kinds (two or more)
+        self.pool: PoolChoice | None = None  # the choice among the drafter kinds (one or more) and none
         self._text_class = ""  # a new session's prompt class: what its pool measurements teach (PoolPriors)
         self.pool_none = False  # its class's estimates say no kind pays: it runs target-only (PoolChoice.none_pays)
         self._abandoned: list[tuple[str, str]] = []  # (key, address) of drafters the job moved away from
@@ -115,9 +115,10 @@ class Job:
 
     def _choose_replicas(self, like: Job | None, prompt=None, messages=None) -> None:
         """A verifier (Unavailable without one) and, if the request drafts, a drafter kind and a replica
-        of it. With a pool of kinds, the kind the session's measurements (else the prompt's spelling)
+        of it: the kind the session's measurements (else, with a pool of kinds, the prompt's spelling)
         put first that has a ready replica of the paired revision (:class:`gateway.pool.PoolChoice`);
-        without any, the request runs target-only, saying why."""
+        without any, the request runs target-only, saying why. A new session whose prompt's class measured
+        every kind (the one drafter too) as not worth drafting runs target-only (PoolChoice.none_pays)."""
         gw = self.gw
         self.v_addr, _ = gw.placement.choose("verifier", self._recorded(like, "verifier"))
         if self.v_addr is None:
@@ -131,14 +132,14 @@ class Job:
         names = [k.name for k in kinds]
         if like is not None and like.d_kind is not None:
             names = [like.d_kind.name] + [n for n in names if n != like.d_kind.name]
-        if len(kinds) > 1:
+        if len(kinds) > 1 or (kinds and self._measures(kinds[0])):  # (one kind: whether a new session drafts at all)
             text = prompt if prompt else " ".join(str(m.get("content", "")) for m in (messages or [])[-2:])
             own = self.session.pool if self.session is not None else None
             prior = None
             if not own:  # a new session: the prompt's spelling orders the kinds; similar requests' measurements first
                 self._text_class = text_class(text or "")
                 prior = gw.pool_priors.seed(self._text_class, kind_models(kinds))
-                if like is None:
+                if like is None and len(kinds) > 1:
                     names = prior_order(kinds, text or "")
             self.pool = PoolChoice(names, own, self._switch, gw.metrics, prior=prior)
             none = like.pool_none if like is not None else self.draft.adaptive and self.pool.none_pays()
@@ -156,6 +157,31 @@ class Job:
             if self.pool is not None:
                 self.pool.down.add(name)
         self.use_drafter, self.d_kind, self.d_key = False, None, "drafter"
+
+    def _measures(self, kind) -> bool:
+        """Whether this request on drafter `kind` prices drafting with measured costs (DraftConfig.measures;
+        the verifier and the kind's replicas timed their forwards: Decoder._policy). A gateway with one
+        drafter kind uses what its prompt's class measured only then: with static costs a request's choices
+        stay a function of its own tokens (a seeded run replays anywhere), and a value priced from weight
+        bytes says little of what drafting is worth here."""
+        gw = self.gw
+        if not self.draft.measures(self._params(self.v_addr)):
+            return False
+        try:
+            d_addr, _ = gw.placement.choose(kind.key, None)
+            return (d_addr is not None and bool(gw.placement.client("verifier", self.v_addr).info().get("forward_ms"))
+                    and bool(gw.placement.client(kind.key, d_addr).info().get("forward_ms")))
+        except Exception:  # (a server that cannot be asked now: its run fails over on its own)
+            return False
+
+    def _params(self, addr: str) -> SamplingParams:
+        """The run's sampling parameters on the verifier at `addr`: a seeded sampling request gets coupled
+        draws where the verifier has them -- its text is then a function of (seed, prompt) alone, the same
+        with or without a drafter, under any load."""
+        params = self._base_params
+        if not params.greedy and "seed" in self.opts and self.gw.supports("verifier", addr, "coupled_draws"):
+            params = dataclasses.replace(params, coupled=True)
+        return params
 
     def _take(self, kind, recorded: str | None) -> bool:
         """Choose a ready replica of drafter `kind` (the recorded one while it is ready) of the paired
@@ -230,11 +256,7 @@ class Job:
     def _start_run(self, addr: str) -> None:
         """Prepare the run on the verifier at `addr` (its first round runs when :meth:`events` asks)."""
         gw = self.gw
-        params = self._base_params
-        # a seeded sampling request gets coupled draws where the verifier has them: its text is then a
-        # function of (seed, prompt) alone -- the same with or without a drafter, under any load
-        if not params.greedy and "seed" in self.opts and gw.supports("verifier", addr, "coupled_draws"):
-            params = dataclasses.replace(params, coupled=True)
+        params = self._params(addr)
         names, session = self._names, self.session
         try:
             run = gw.decoder(addr, self.d_addr, self.d_key).run(

@@ -306,6 +306,10 @@ class PoolChoice:
         self.est = {name: dict(e) for name, e in (estimates or prior or {}).items() if name in self.order}
         self.prior = not estimates and bool(self.est)
         self.here: dict[str, int] = {}  # rounds that measured each kind in this request
+        # each kind's acceptance counts over this request's drafted rounds (not decayed: what the request found
+        # of the text, not only its last rounds) and the policy that priced them: what the class learns
+        self.whole: dict[str, list[float]] = {}
+        self.policies: dict[str, object] = {}
         self.switch = switch
         self.metrics = metrics
         self.current: str | None = None
@@ -363,14 +367,18 @@ class PoolChoice:
             req.stats.drafter_choice = self.reason
         self.since += 1
         e = self.est.setdefault(cur, {"s": 0.0, "t": 0.0, "n": 0, "v": 1.0})
-        if ev.drafted > 0 or (req.spec and ev.skip_reason in ("acceptance", "drafter busy")):
-            self.here[cur] = self.here.get(cur, 0) + 1
+        if ev.drafted > 0 or (req.spec and ev.skip_reason == "acceptance"):  # (what the class may learn from:
+            self.here[cur] = self.here.get(cur, 0) + 1  # a drafter busy now is the moment's, not the text's)
         if ev.drafted > 0:
             e["s"] = DECAY * e["s"] + ev.accepted
             e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
             e["n"] += 1
+            w = self.whole.setdefault(cur, [0.0, 0.0])
+            w[0] += ev.accepted
+            w[1] += ev.accepted + (1 if ev.accepted < ev.drafted else 0)
             if req.policy is not None:
                 e["v"] = req.policy.value()
+                self.policies[cur] = req.policy
         elif req.spec and ev.skip_reason in ("acceptance", "drafter busy"):
             # the kind's policy stopped drafting for reasons of its own: measured, and worth nothing now
             e["n"], e["v"] = max(e["n"], EXPLORE_ROUNDS), 1.0
@@ -411,8 +419,21 @@ class PoolChoice:
         return None
 
     def learned(self) -> dict:
-        """The estimates of the kinds this request's own rounds measured (what PoolPriors learns from)."""
-        return {n: dict(self.est[n]) for n, r in self.here.items() if r >= EXPLORE_ROUNDS and n in self.est}
+        """The estimates of the kinds this request's own rounds measured (what PoolPriors learns from). A kind's
+        value is priced at its acceptance over the whole request where it drafted (alone, the drafter at its
+        usual speed: DraftPolicy.value): a request that drafted well and whose last rounds stopped on a hard
+        stretch still says the kind pays for its class, and one whose lone probe came true at the end does
+        not say a hopeless kind does."""
+        out = {}
+        for n, r in self.here.items():
+            if r < EXPLORE_ROUNDS or n not in self.est:
+                continue
+            e = dict(self.est[n])
+            w, policy = self.whole.get(n), self.policies.get(n)
+            if w and w[1] > 0 and policy is not None:
+                e["v"] = policy.value(w[0] / w[1], usual_speed=True)
+            out[n] = e
+        return out
 
     def snapshot(self) -> dict:
         """The estimates to keep with the session (rounded: a session document stays small)."""

@@ -106,7 +106,7 @@ class Decoder(Pipelining):
         (0.0 with static costs). See CostModel for measured vs static costs."""
         # coupled draws make a seeded text independent of the blocks drafted: like greedy decoding,
         # it can be priced at the measured costs and the load without losing its replay
-        measured = draft.cost_model == "measured" or (draft.cost_model == "auto" and (params.greedy or params.coupled))
+        measured = draft.measures(params)
         key = (mode, measured)
         if key not in self._ratio:
             rows = int(self.pair.masks[mode].sum())

@@ -10,6 +10,7 @@ does not pay.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from crossdraft.decoding.acceptance import AcceptanceModel, clamp_alpha, expected_tokens
@@ -62,6 +63,12 @@ class DraftConfig:
             raise InvalidArgument("stop_cumulative", f"must be in [0, 1), got {self.stop_cumulative}")
         if self.resync_window < 1:
             raise InvalidArgument("resync_window", "must be >= 1")
+
+    def measures(self, params) -> bool:
+        """Whether a request with these sampling parameters prices drafting with measured costs (where the
+        model servers timed their forwards): greedy decoding and coupled draws, whose text does not depend
+        on the blocks drafted, under "auto"."""
+        return self.cost_model == "measured" or (self.cost_model == "auto" and (params.greedy or params.coupled))
 
 
 # why a round drafts nothing (DraftPolicy.reason):
@@ -271,17 +278,36 @@ class DraftPolicy:
             return self.costs.pipelines()
         return self.costs.ahead_pays(k, self.acceptance.alpha())
 
-    def value(self) -> float:
-        """What drafting is worth to this request now: the best rate over block sizes at the acceptance
-        estimate (tokens per target decoding step), or 1.0 (target-only) where no block size pays. A
-        gateway's pool of drafter kinds compares its kinds by it: each kind's policy prices its own
-        drafter's cost and acceptance against the same target step. A request that drafts a fixed block
-        whatever it costs (not adaptive) is worth the rate of that block, below 1.0 where it loses."""
-        a = self.acceptance.alpha()
-        if not self.cfg.adaptive:
-            return self.costs.rate(self.cfg.num_draft_tokens, a)
-        best = self._best(a)[1]
-        return best if best >= self.costs.need() else 1.0
+    def value(self, alpha: float | None = None, usual_speed: bool = False) -> float:
+        """What drafting is worth to this request: the best rate over block sizes at the acceptance
+        estimate (or at ``alpha``; tokens per target decoding step), priced for the request alone, or 1.0
+        (target-only) where no block size pays. A gateway compares its drafter kinds by it, and learns from
+        it what a kind is worth to a class of prompts (gateway.pool): each kind's policy prices its own
+        drafter's cost and acceptance against the same target step. Alone: the load is the moment's, not
+        the text's -- what it allows is decided round by round (:meth:`next_k`), and a value learned under
+        load would keep the class's next requests from drafting once the load is gone; so, with
+        ``usual_speed``, is a drafter slowed by other work now (priced at most at its table's cost). A
+        request that drafts a fixed block whatever it costs (not adaptive) is worth the rate of that block,
+        below 1.0 where it loses."""
+        a = self.acceptance.alpha() if alpha is None else clamp_alpha(alpha)
+        with self._alone(usual_speed) as c:
+            if not self.cfg.adaptive:
+                return c.rate(self.cfg.num_draft_tokens, a)
+            best = self._best(a)[1]
+            return best if best >= c.need() else 1.0
+
+    @contextmanager
+    def _alone(self, usual_speed: bool = False):
+        """The cost model priced for a session alone while inside (no load, no peers; with ``usual_speed``
+        the drafter at most at its table's cost), restored after."""
+        c = self.costs
+        saved = c.batch, c.others, c.peer_alpha, c.scale_d
+        try:
+            c.batch, c.others, c.peer_alpha = 1.0, None, None
+            c.scale_d = min(1.0, c.scale_d) if usual_speed else c.scale_d
+            yield c
+        finally:
+            c.batch, c.others, c.peer_alpha, c.scale_d = saved
 
     def _pays_at(self, alpha: float) -> bool:
         cfg = self.cfg
@@ -393,19 +419,14 @@ class DraftPolicy:
     def why_not(self) -> str:
         """Why drafting does not pay now (SKIP_REASONS): priced again for a session alone (no load),
         then also with the drafter at its table's speed; no state changes."""
-        c = self.costs
         a = self.acceptance.alpha()
-        saved = c.batch, c.others, c.peer_alpha, c.scale_d
         if self.held and self._pays_at(a):
             return "load"  # the model would draft at this load; the load gate measured that it does not pay
-        try:
-            c.batch, c.others, c.peer_alpha = 1.0, None, None
+        with self._alone():
             if self._pays_at(a):
                 return "load"
-            c.scale_d = min(1.0, saved[3])
+        with self._alone(usual_speed=True):
             return "drafter busy" if self._pays_at(a) else "acceptance"
-        finally:
-            c.batch, c.others, c.peer_alpha, c.scale_d = saved
 
     def predict(self, drafted: int, steps: int) -> tuple[float, float]:
         """Measured costs: what the chooser expects of a round that verifies ``drafted`` tokens drafted in

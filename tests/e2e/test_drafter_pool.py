@@ -346,6 +346,60 @@ def test_a_class_where_no_kind_paid_runs_target_only_until_its_estimates_expire(
     assert set(json.loads(r.hget(key, cls))) <= set(kinds) and json.loads(r.hget(key, cls))
 
 
+ONE_PROMPT = "Расскажи мне короткую историю о старом доме у реки.\n"  # (a class no other test sends)
+
+
+def test_one_drafter_kind_with_measured_costs_learns_its_prompt_classes(stack, tiny_dirs):
+    """A gateway with a single drafter (no pool) uses what its prompts' classes measured, as a pool does,
+    where its requests price drafting with measured costs (this test's own verifier and drafter time their
+    forwards): a request of a class with no estimates drafts and teaches the class what its rounds measured;
+    where the class says drafting was worth nothing, a new request runs target-only (the target-only text,
+    choice "none") and ages the estimate. The shared stack's gateways (static costs, the same drafter and
+    Redis) do not use the estimates: a request's choices there stay a function of its own tokens."""
+    import redis
+
+    from gateway.pool import text_class
+
+    t_dir, d_dir = tiny_dirs
+    measure = {"CROSSDRAFT_COST_PROFILE": "measure"}
+    procs = []
+    try:
+        v, vaddr = model_server("verifier", str(t_dir), stack.log_dir, env=measure)
+        d, daddr = model_server("drafter", str(d_dir), stack.log_dir, env=measure, extra=["--quantize", "none"])
+        procs += [v, d]
+        wait_grpc_healthy(vaddr, v)
+        wait_grpc_healthy(daddr, d)
+        gw, http, _ = gateway(vaddr, daddr, stack.redis.url, stack.log_dir, drafter_timeout_s=5, env=measure)
+        procs.append(gw)
+        wait_http_ready(http, gw)
+        cls = text_class(ONE_PROMPT)
+        m = requests.get(http + "/v1/models", timeout=30).json()["data"][0]
+        (kind,) = [k["name"] for k in m["drafters"]]
+        r = redis.Redis.from_url(stack.redis.url)
+        key = f"crossdraft:pool-priors:{m['id']}"
+        r.hdel(key, cls)
+        body = {"prompt": ONE_PROMPT, "max_tokens": N_NEW}
+        ref = complete(http, dict(body, use_drafter=False))["choices"][0]["text"]
+        first = complete(http, body)
+        assert first["choices"][0]["text"] == ref
+        assert first["speculative"]["mode"] == "speculative" and first["speculative"]["drafter_choice"] == "start"
+        learned = json.loads(r.hget(key, cls))
+        assert set(learned) == {kind} and learned[kind]["age"] == 0 and learned[kind]["model"], learned
+        r.hset(key, cls, json.dumps({kind: dict(learned[kind], v=1.0)}))  # (worth nothing, whatever it measured)
+        got = complete(http, body)
+        s = got["speculative"]
+        assert got["choices"][0]["text"] == ref
+        assert s["drafter_choice"] == "none" and s["mode"] == "target-only" and s["drafted"] == 0, s
+        assert json.loads(r.hget(key, cls))[kind]["age"] == 1
+        for url in (stack.http, stack.http2):  # static costs: the estimate is not used, nor taught
+            s = complete(url, body)["speculative"]
+            assert s["mode"] == "speculative" and s["drafter_choice"] == "", s
+        assert json.loads(r.hget(key, cls))[kind]["age"] == 1
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 CHI_PROMPT = "Le renard brun rapide saute"  # (a class no other test here sends: its requests start without priors)
 CHI_SAMPLES, CHI_N = 800, 16
 

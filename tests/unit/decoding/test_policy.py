@@ -131,6 +131,26 @@ def test_batched_sessions_on_a_cpu_stop_drafting_where_one_session_alone_drafts(
     assert all(k > 0 for k in ks_after[-10:])
 
 
+def test_a_requests_value_is_priced_alone_whatever_the_load_and_is_one_where_nothing_pays():
+    """value() -- what a gateway learns a drafter is worth to a class of prompts -- prices the session
+    alone: the same session under a load that rules drafting out (16 rows of a CPU's fp32 forwards) is
+    worth what it is alone, and its state is left as it was; at an acceptance where no block pays, 1.0."""
+    alone = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    busy = DraftPolicy(DraftConfig(), 0.3, verify_costs=GEMMA_CPU, drafter_costs=SMOL_CPU, measured=True)
+    _run_batched(alone, 40, 1)
+    ks = _run_batched(busy, 40, 16)
+    assert not busy.pays() and not any(ks[-10:])  # (the load rules drafting out)
+    load = busy.costs.batch
+    assert busy.value() == pytest.approx(alone.value(busy.acceptance.alpha())) and busy.value() > busy.costs.need()
+    assert busy.costs.batch == load and not busy.pays()
+    assert alone.value(0.02) == busy.value(0.02) == 1.0
+    assert alone.value(0.9) > alone.value(0.6) > 1.0
+    # a drafter measured 3x slower than its table (other work on its machine) is worth nothing now, and at
+    # its usual speed what it was
+    alone.costs.scale_d = 3.0
+    assert alone.value(0.6) == 1.0 and alone.value(0.6, usual_speed=True) > 1.0 and alone.costs.scale_d == 3.0
+
+
 def test_batched_sessions_on_a_gpu_keep_drafting():
     """Forwards flat in their tokens (memory-bound): batching does not change the answer."""
     p = DraftPolicy(DraftConfig(), 0.15, verify_costs=GPU_V, drafter_costs=GPU_D, measured=True)

@@ -22,7 +22,7 @@ class Req:
 
     def __init__(self, value: float = 2.0):
         self.val = value
-        self.policy = SimpleNamespace(value=lambda: self.val)
+        self.policy = SimpleNamespace(value=lambda alpha=None, usual_speed=False: self.val)
         self.spec = True
         self.stats = Stats()
         self.d = object()
@@ -49,8 +49,9 @@ def drive(pc, req, rounds, value_of=None):
     seen = []
     for d, a in rounds:
         seen.append(pc.current)
-        if value_of is not None:
+        if value_of is not None:  # (each kind's rounds are priced by that kind's own policy)
             req.val = value_of[pc.current]
+            req.policy = SimpleNamespace(value=lambda alpha=None, usual_speed=False, v=req.val: v)
         pc(req, ev(d, a))
     return seen
 
@@ -190,6 +191,61 @@ def test_a_class_where_no_kind_pays_runs_target_only_until_its_estimates_expire(
     both.down.add("b")
     assert both.none_pays()
     assert not P.PoolChoice(["a"], {"a": measured}, None).none_pays()
+
+
+class PricedReq(Req):
+    """A request whose policy prices a block at any acceptance: worth 2.0 from 50% acceptance, else 1.0
+    (nothing pays); without an acceptance, at its own latest estimate (``val``)."""
+
+    def __init__(self, value: float = 2.0):
+        super().__init__(value)
+        self.policy = SimpleNamespace(value=lambda alpha=None, usual_speed=False: self.val if alpha is None else
+                                      (2.0 if alpha >= 0.5 else 1.0))
+
+
+def one_kind_request(priors, rounds):
+    """A new session of class "cjk/prose" on a gateway with one drafter kind: None where its class's
+    estimates send it target-only (none_pays), else it runs `rounds` ((drafted, accepted, skip reason, its
+    policy's latest value)) and teaches the class."""
+    pc = P.PoolChoice(["only"], None, lambda n: None, prior=priors.seed("cjk/prose"))
+    if pc.none_pays():
+        priors.age("cjk/prose")
+        return None
+    pc.started("only", "prior" if pc.prior else "start")
+    req = PricedReq()
+    for d, a, skip, v in rounds:
+        req.val = v
+        assert pc(req, ev(d, a, skip)) is None  # (nothing to move to)
+    priors.learn("cjk/prose", pc.learned())
+    return pc
+
+
+def test_one_drafter_kind_learns_its_prompt_classes_from_the_whole_request():
+    """A gateway with a single drafter learns what it is worth per prompt class as a pool does, priced at
+    each request's acceptance over all of its drafted rounds: a request that drafted well and whose last
+    rounds stopped on a hard stretch (skip "acceptance") says drafting pays for its class; a hopeless one
+    whose last probe came true says it does not, and the class's next new sessions run target-only until
+    its estimate expires."""
+    priors = P.PoolPriors()
+    good = [(4, 4, "", 2.4)] * 6 + [(4, 0, "", 1.0)] + [(0, 0, "acceptance", 1.0)] * 3
+    pc = one_kind_request(priors, good)
+    assert pc.snapshot()["only"]["v"] == 1.0  # (its latest rounds: nothing pays now)
+    assert priors.snapshot()["cjk/prose"]["only"]["v"] == 2.0  # (the request: 24 of 25 accepted)
+    assert one_kind_request(priors, good) is not None  # the class pays: the next one drafts
+    priors = P.PoolPriors()
+    hopeless = [(2, 0, "", 1.0)] + [(0, 0, "acceptance", 1.0)] * 6 + [(1, 0, "", 1.0)] + \
+        [(0, 0, "acceptance", 1.0)] * 6 + [(1, 1, "", 1.6)]
+    pc = one_kind_request(priors, hopeless)
+    assert pc.snapshot()["only"]["v"] == 1.6 and priors.snapshot()["cjk/prose"]["only"]["v"] == 1.0
+    skipped = 0
+    while one_kind_request(priors, good) is None:
+        skipped += 1
+        assert skipped <= P.STALE
+    assert skipped == P.STALE  # then measured again: the text turned draftable, and the class learns it
+    assert priors.snapshot()["cjk/prose"]["only"]["v"] == 2.0
+    # rounds that skipped because the drafter is slow now (busy: the moment's, as the load) teach nothing
+    busy = one_kind_request(priors, [(0, 0, "drafter busy", 1.0)] * 8)
+    assert busy.learned() == {} and priors.snapshot()["cjk/prose"]["only"]["v"] == 2.0
 
 
 @pytest.fixture(scope="module")
