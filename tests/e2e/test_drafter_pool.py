@@ -374,7 +374,6 @@ def test_one_drafter_kind_with_measured_costs_learns_its_prompt_classes(stack, t
         wait_http_ready(http, gw)
         cls = text_class(ONE_PROMPT)
         m = requests.get(http + "/v1/models", timeout=30).json()["data"][0]
-        (kind,) = [k["name"] for k in m["drafters"]]
         r = redis.Redis.from_url(stack.redis.url)
         key = f"crossdraft:pool-priors:{m['id']}"
         r.hdel(key, cls)
@@ -382,9 +381,12 @@ def test_one_drafter_kind_with_measured_costs_learns_its_prompt_classes(stack, t
         ref = complete(http, dict(body, use_drafter=False))["choices"][0]["text"]
         first = complete(http, body)
         assert first["choices"][0]["text"] == ref
-        assert first["speculative"]["mode"] == "speculative" and first["speculative"]["drafter_choice"] == "start"
+        # (it starts with no estimate; "none" where its own rounds find that nothing pays before it ends)
+        s = first["speculative"]
+        assert s["mode"] == "speculative" and s["drafter_choice"] in ("start", "none"), s
         learned = json.loads(r.hget(key, cls))
-        assert set(learned) == {kind} and learned[kind]["age"] == 0 and learned[kind]["model"], learned
+        (kind,) = learned  # (the one kind, named after its model)
+        assert learned[kind]["age"] == 0 and learned[kind]["model"], learned
         r.hset(key, cls, json.dumps({kind: dict(learned[kind], v=1.0)}))  # (worth nothing, whatever it measured)
         got = complete(http, body)
         s = got["speculative"]
