@@ -99,15 +99,25 @@ def prompt_set(spec: str, n: int) -> list[tuple[str, str]]:
     return out
 
 
+_STARTED: dict = {}
+
+
 def git_commit() -> dict:
-    """The commit measured (and whether the decoding code had uncommitted changes)."""
+    """The commit measured (and whether the decoding code had uncommitted changes): the checkout as the
+    first call found it -- every benchmark calls this when it starts (below, on import), so a commit
+    made while a long run goes on is not recorded as the code it measured."""
     def git(*args):
         try:
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    dirty = git("status", "--porcelain", "--", "crossdraft", "drafter", "verifier", "gateway")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty)}
+    if not _STARTED:
+        dirty = git("status", "--porcelain", "--", "crossdraft", "drafter", "verifier", "gateway")
+        _STARTED.update(commit=git("rev-parse", "HEAD"), dirty=bool(dirty))
+    return dict(_STARTED)
+
+
+git_commit()
 
 
 # ---- HF acceptance counters (wrapping the candidate generators of the installed transformers) ---

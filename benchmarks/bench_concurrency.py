@@ -436,7 +436,6 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-logs", default="", help="copy the services' logs (round logs included) to this folder")
     a = ap.parse_args()
-    measured = git_commit()  # (the code the stack starts from: a commit made during a long run is not what ran)
     ps = prompts(a.prompts, a.prompt_class)
     tmp = Path(tempfile.mkdtemp(prefix="crossdraft-conc-"))
     log_dir = tmp / "logs"
@@ -455,7 +454,7 @@ def main() -> None:
     res = {"meta": {"target": a.target, "drafter": a.drafter, "dtype": a.dtype, "cpu": _cpu_name(),
                     "target_dtype": a.target_dtype or a.dtype, "drafter_dtype": a.drafter_dtype or a.dtype,
                     "cpus": os.cpu_count(), "python": platform.python_version(), "max_new_tokens": a.max_new_tokens,
-                    "prompts": len(ps), "prompt_class": a.prompt_class, **measured, "baseline": a.baseline,
+                    "prompts": len(ps), "prompt_class": a.prompt_class, **git_commit(), "baseline": a.baseline,
                     "unbatched": a.unbatched,
                     "seeded_sampling": not a.unseeded, "repeats": a.repeats,
                     "time": time.strftime("%Y-%m-%d %H:%M")},
