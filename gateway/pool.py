@@ -370,12 +370,13 @@ class PoolChoice:
         if ev.drafted > 0 or (req.spec and ev.skip_reason == "acceptance"):  # (what the class may learn from:
             self.here[cur] = self.here.get(cur, 0) + 1  # a drafter busy now is the moment's, not the text's)
         if ev.drafted > 0:
+            trials = ev.accepted + (1 if ev.accepted < ev.drafted else 0)  # (the block ended in a rejection)
             e["s"] = DECAY * e["s"] + ev.accepted
-            e["t"] = DECAY * e["t"] + ev.accepted + (1 if ev.accepted < ev.drafted else 0)
+            e["t"] = DECAY * e["t"] + trials
             e["n"] += 1
             w = self.whole.setdefault(cur, [0.0, 0.0])
             w[0] += ev.accepted
-            w[1] += ev.accepted + (1 if ev.accepted < ev.drafted else 0)
+            w[1] += trials
             if req.policy is not None:
                 e["v"] = req.policy.value()
                 self.policies[cur] = req.policy
